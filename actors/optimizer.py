@@ -1,0 +1,109 @@
+"""OptimizerShard actor: AdamW over a contiguous range of layer units, in place.
+
+The shard maps the master (and compute-copy) regions of its units and keeps their fp32 Adam
+moments in its own memory. For each unit it runs torch's AdamW (fused where torch has it)
+over two views of the master region: the matrices, decayed, and the 1-D tensors, decayed
+only when ``optim.decay_norms_and_biases`` is set. The gradient is read in place from the
+unit's shared gradient region. After an update it refreshes the compute copy, then bumps
+``version[u]`` and releases the gradient region, in that order, so the worker never reads
+a half-written layer.
+
+Two modes, chosen by the scheduler:
+- clipping on: ``on_grad`` only returns the gradient's squared norm as soon as it lands;
+  ``apply`` runs after the whole backward with the exact global clip coefficient, in
+  forward order, overlapping the next step's forward.
+- clipping off: ``on_grad`` updates the unit at once, overlapping the rest of the backward.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megaray.buffers import Handles, RunBuffers
+from megaray.config import RunConfig
+from megaray.errors import ActorFailure, InjectedFault
+
+
+class OptimizerShard:
+    def __init__(self, cfg: RunConfig, handles: Handles, units: list[int], name: str):
+        torch.set_num_threads(cfg.optim.threads_per_shard)
+        self.cfg, self.h, self.units, self.name = cfg, handles, list(units), name
+        self.buf = RunBuffers(handles, kinds=("master", "compute", "grad", "control"))
+        o = cfg.optim
+        self.opts: dict[int, torch.optim.AdamW] = {}
+        self.segments: dict[int, list[tuple[torch.Tensor, slice]]] = {}
+        for u in self.units:
+            lay = handles.units[u]
+            master = self.buf.master(u)
+            segs = [(master[:lay.decay_numel], slice(0, lay.decay_numel), o.weight_decay)]
+            if lay.decay_numel < lay.numel:
+                wd = o.weight_decay if o.decay_norms_and_biases else 0.0
+                segs.append((master[lay.decay_numel:], slice(lay.decay_numel, lay.numel), wd))
+            segs = [s for s in segs if s[0].numel() > 0]
+            self.segments[u] = [(p, sl) for p, sl, _ in segs]
+            groups = [{"params": [p], "weight_decay": wd} for p, _, wd in segs]
+            self.opts[u] = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=True)
+        self.pending: list[int] = []
+        self.busy_s = 0.0
+
+    def _fault(self, step: int) -> None:
+        d = self.cfg.debug
+        if d.crash_actor == "optimizer" and d.crash_step == step:
+            raise InjectedFault(f"{self.name}: injected crash at step {step}")
+
+    def on_grad(self, step: int, u: int, lr: float, apply_now: bool) -> float:
+        """A unit's gradient has landed; returns its squared L2 norm (float64)."""
+        t0 = time.perf_counter()
+        try:
+            self._fault(step)
+            g = self.buf.grad(u)
+            sq = float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
+            if apply_now:
+                self._update(step, u, 1.0, lr, skip=False)
+            else:
+                self.pending.append(u)
+            return sq
+        except Exception as e:
+            raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def apply(self, step: int, coef: float, lr: float, skip: bool) -> float:
+        """Update every pending unit in forward order; returns seconds spent."""
+        t0 = time.perf_counter()
+        try:
+            self._fault(step)
+            for u in sorted(self.pending):
+                self._update(step, u, coef, lr, skip)
+            self.pending.clear()
+            return time.perf_counter() - t0
+        except Exception as e:
+            raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
+        finally:
+            self.busy_s += time.perf_counter() - t0
+
+    def _update(self, step: int, u: int, coef: float, lr: float, skip: bool) -> None:
+        if not skip:
+            grad = self.buf.grad(u)
+            if coef != 1.0:
+                grad.mul_(coef)
+            opt = self.opts[u]
+            for group, (p, sl) in zip(opt.param_groups, self.segments[u]):
+                group["lr"] = lr
+                p.grad = grad[sl]
+            opt.step()
+            for p, _ in self.segments[u]:
+                p.grad = None
+            if not self.h.aliased:
+                self.buf.compute(u).copy_(self.buf.master(u))
+        self.buf.set_version(u, step + 1)
+        self.buf.set_grad_state(u, 0)
+
+    def stats(self) -> dict:
+        return {"busy_s": self.busy_s, "units": self.units}
+
+    def optimizer_state(self) -> dict:
+        """Adam moments by unit (tests and checkpoints)."""
+        return {u: [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+                    for g in opt.param_groups for p in g["params"]] for u, opt in self.opts.items()}

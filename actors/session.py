@@ -1,0 +1,178 @@
+"""TrainingSession: starts a run's actors, steps them, and always tears them down.
+
+The session runs in the driver (``megaray train``, a ``ray job submit`` entrypoint, or a
+test). It removes shared-memory files of dead runs, reserves one placement group so the
+actors that share memory land on one node, creates the actors with readable names
+(``megaray:<run>:optimizer-1``), and on ``close()`` — called however the run ends — aborts
+waits, kills every actor and deletes the run's shared-memory files.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import uuid
+
+import numpy as np
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from megaray.buffers import RunBuffers
+from megaray.config import RunConfig
+from megaray.errors import ActorFailure, MegarayError
+from megaray.shm import remove_run, remove_stale
+
+from .optimizer import OptimizerShard
+from .scheduler import Scheduler, shard_ranges
+from .store import ParameterStore
+from .worker import GpuWorker
+
+log = logging.getLogger("megaray")
+NAMESPACE = "megaray"
+
+
+def new_run_id(name: str) -> str:
+    return f"{re.sub(r'[^A-Za-z0-9-]', '-', name)[:32]}-{uuid.uuid4().hex[:8]}"
+
+
+def resolve_device(cfg: RunConfig) -> str:
+    if cfg.worker.device != "auto":
+        return cfg.worker.device
+    return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+
+
+class TrainingSession:
+    def __init__(self, cfg: RunConfig, run_id: str | None = None):
+        self.cfg = cfg
+        self.run_id = run_id or new_run_id(cfg.run.name)
+        self.actors: dict[str, ray.actor.ActorHandle] = {}
+        self.pg = None
+        self.buf: RunBuffers | None = None
+        self.device = None
+
+    def actor_name(self, role: str) -> str:
+        return f"megaray:{self.run_id}:{role}"
+
+    def start(self) -> "TrainingSession":
+        cfg = self.cfg
+        stale = remove_stale(cfg.cluster.shm_dir)
+        if stale:
+            log.info("removed %d shared-memory files of dead runs", len(stale))
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self) -> None:
+        cfg = self.cfg
+        self.device = resolve_device(cfg)
+        o = cfg.optim
+        cpus = o.num_shards * o.threads_per_shard + cfg.worker.threads
+        bundle = {"CPU": cpus}
+        if self.device == "cuda":
+            bundle["GPU"] = 1
+        self.pg = placement_group([bundle], strategy="STRICT_PACK", name=self.actor_name("group"))
+        try:
+            ray.get(self.pg.ready(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            raise MegarayError(
+                f"the Ray cluster cannot place the run's actors on one node: it needs {bundle} "
+                f"(optim.num_shards x optim.threads_per_shard + worker.threads CPUs); it has "
+                f"{ray.available_resources()}") from None
+        where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0)
+
+        def spawn(cls, role, num_cpus=0, num_gpus=0, **kw):
+            handle = ray.remote(cls).options(
+                name=self.actor_name(role), namespace=NAMESPACE, num_cpus=num_cpus, num_gpus=num_gpus,
+                scheduling_strategy=where, max_restarts=0, **kw)
+            return handle
+
+        store = spawn(ParameterStore, "store").remote(cfg, self.run_id, os.getpid())
+        self.actors["store"] = store
+        handles = ray.get(store.handles.remote())
+        self.handles = handles
+        self.buf = RunBuffers(handles, kinds=("control",))
+        sched = spawn(Scheduler, "scheduler").remote(cfg, handles, self.actor_name("scheduler"))
+        self.actors["scheduler"] = sched
+        worker = spawn(GpuWorker, "worker", num_cpus=cfg.worker.threads,
+                       num_gpus=1 if self.device == "cuda" else 0).remote(
+            cfg, handles, self.device, self.actor_name("worker"), self.actor_name("scheduler"), NAMESPACE)
+        self.actors["worker"] = worker
+        shards, names = [], []
+        for k, units in enumerate(shard_ranges(handles.num_units, o.num_shards)):
+            name = self.actor_name(f"optimizer-{k}")
+            shard = spawn(OptimizerShard, f"optimizer-{k}", num_cpus=o.threads_per_shard).remote(
+                cfg, handles, units, name)
+            self.actors[f"optimizer-{k}"] = shard
+            shards.append(shard)
+            names.append(name)
+        # Surface constructor errors now, naming the actor.
+        for role, a in self.actors.items():
+            try:
+                ray.get(a.__ray_ready__.remote())
+            except ray.exceptions.RayError as e:
+                raise ActorFailure(self.actor_name(role), f"failed to start: {e}") from None
+        ray.get(sched.attach.remote(worker, shards, names))
+        log.info("run %s: %d layer units, %d optimizer shards, worker on %s",
+                 self.run_id, handles.num_units, len(shards), self.device)
+
+    # ------------------------------------------------------------------ driving
+    def _call(self, ref):
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            if isinstance(cause, MegarayError):
+                raise cause from None
+            raise ActorFailure(self.actor_name("scheduler"), str(cause)) from None
+        except ray.exceptions.RayActorError as e:
+            raise ActorFailure(self.actor_name("scheduler"), f"actor died: {e}") from None
+
+    def train_step(self, step: int, tokens: np.ndarray) -> dict:
+        return self._call(self.actors["scheduler"].train_step.remote(step, tokens))
+
+    def evaluate(self, step: int, tokens: np.ndarray) -> float:
+        return self._call(self.actors["scheduler"].evaluate.remote(step, tokens))
+
+    def drain(self) -> None:
+        self._call(self.actors["scheduler"].drain.remote())
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """fp32 master weights by Hugging Face name, after all pending updates."""
+        self.drain()
+        return ray.get(self.actors["store"].state_dict.remote())
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        ray.get(self.actors["store"].load_state_dict.remote(state))
+
+    # ------------------------------------------------------------------ teardown
+    def close(self) -> None:
+        """Abort waits, kill every actor, free the placement group and the shared memory."""
+        if self.buf is not None:
+            try:
+                self.buf.abort()
+            except Exception:  # the control file may already be gone
+                pass
+        for a in self.actors.values():
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+        self.actors.clear()
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+            self.pg = None
+        self.buf = None
+        remove_run(self.cfg.cluster.shm_dir, self.run_id)
+
+    def __enter__(self) -> "TrainingSession":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

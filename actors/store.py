@@ -1,0 +1,63 @@
+"""ParameterStore actor: owns a run's shared-memory files and initializes the weights.
+
+It creates the master, compute-copy, gradient and control files, fills the master weights
+deterministically from the seed (each unit from its own generator, so the result does not
+depend on sharding), casts the compute copy, and publishes ``Handles``. It is the only
+writer of weights outside the optimizer shards, and only before training starts.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from megaray.buffers import Handles, RunBuffers
+from megaray.config import RunConfig
+from megaray.model import build_layout, init_unit
+from megaray.shm import remove_run
+
+
+class ParameterStore:
+    def __init__(self, cfg: RunConfig, run_id: str, owner_pid: int):
+        torch.set_num_threads(1)
+        self.cfg = cfg
+        units = build_layout(cfg.model)
+        self.h = Handles.plan(run_id, owner_pid, cfg.cluster.shm_dir, cfg.train.compute_dtype, units)
+        self.buf = RunBuffers(self.h, create=True)
+        for u in units:
+            self.buf.master(u.index).copy_(init_unit(u, cfg.model, cfg.run.seed))
+            self._sync_compute(u.index)
+
+    def _sync_compute(self, u: int) -> None:
+        if not self.h.aliased:
+            self.buf.compute(u).copy_(self.buf.master(u))
+
+    def handles(self) -> Handles:
+        return self.h
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """fp32 copies of every master tensor, by Hugging Face name."""
+        out = {}
+        for u in self.h.units:
+            flat = self.buf.master(u.index)
+            for s in u.params:
+                out[s.name] = flat[s.offset:s.offset + s.numel].view(s.shape).numpy().copy()
+        return out
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """Overwrite master weights (and the compute copy) before training starts."""
+        known = {s.name for u in self.h.units for s in u.params}
+        unknown = sorted(set(state) - known)
+        if unknown:
+            raise KeyError(f"unknown parameter names: {unknown[:5]}")
+        for u in self.h.units:
+            flat = self.buf.master(u.index)
+            for s in u.params:
+                if s.name in state:
+                    t = torch.as_tensor(np.asarray(state[s.name], dtype=np.float32))
+                    if tuple(t.shape) != s.shape:
+                        raise ValueError(f"{s.name}: shape {tuple(t.shape)}, expected {s.shape}")
+                    flat[s.offset:s.offset + s.numel].copy_(t.reshape(-1))
+            self._sync_compute(u.index)
+
+    def close(self) -> list[str]:
+        return remove_run(self.h.shm_dir, self.h.run_id)

@@ -1,0 +1,339 @@
+"""GpuWorker actor: streams layer units through the GPU (or the CPU) for whole steps.
+
+One ``run_step`` call runs a step's forward and backward over all its micro-batches,
+layer-major: while a unit's weights are on the device every micro-batch passes through it,
+so weights cross the host link a fixed number of times per step however many tokens it has.
+No Ray call sits on the per-layer path: the worker orders itself against the optimizer
+shards through the shared control words (``megaray.buffers``), and tells the scheduler that
+a gradient is ready with a fire-and-forget call.
+
+Double buffering: block units alternate between two device buffers; the embedding and the
+head have one each. While unit i computes, a copy thread stages unit i+1 into the other
+buffer (after waiting for ``version[i+1] == step``). On CUDA the copies run on their own
+stream from pinned (cudaHostRegister'ed) shared memory and compute waits on events; on the
+CPU the same thread schedule runs with plain copies, so CI exercises the same ordering.
+
+Backward recomputes each block from its saved input (the only activations kept are block
+inputs), accumulates the unit's flat fp32 gradient over micro-batches, and hands it to a
+copy-out thread that writes it to the unit's shared gradient region and notifies the
+scheduler. The loss is a token-sum computed in chunks and scaled by 1/(tokens in the step),
+so accumulation over micro-batches equals one big batch exactly.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import ray
+import torch
+
+from megaray.buffers import DTYPES, Handles, RunBuffers
+from megaray.config import RunConfig
+from megaray.errors import ActorFailure, InjectedFault, RunAborted
+from megaray.model import IGNORE_INDEX, bind, block_forward, embed_forward, head_loss_sum, rope_tables
+
+
+class _Timer:
+    def __init__(self):
+        self.t = {}
+
+    def add(self, key: str, dt: float) -> None:
+        self.t[key] = self.t.get(key, 0.0) + dt
+
+
+class GpuWorker:
+    def __init__(self, cfg: RunConfig, handles: Handles, device: str, name: str, scheduler_name: str,
+                 namespace: str):
+        self.cfg, self.h, self.name = cfg, handles, name
+        self.mcfg = cfg.model
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        torch.set_num_threads(cfg.worker.threads)
+        self.buf = RunBuffers(handles, kinds=("master", "compute", "grad", "control"))
+        self.dtype = DTYPES[cfg.train.compute_dtype]
+        self.units = handles.units
+        self.L = self.mcfg.num_hidden_layers
+        self._scheduler_name, self._namespace = scheduler_name, namespace
+        self._scheduler = None
+        if self.cuda:
+            self._pin()
+            self.copy_stream = torch.cuda.Stream(self.device)
+            self.out_stream = torch.cuda.Stream(self.device)
+            self.compute_stream = torch.cuda.current_stream(self.device)
+        # Device weight buffers: embedding, head, and two alternating block buffers.
+        block_numel = self.units[1].numel if self.L else 0
+        mk = lambda n: torch.empty(n, dtype=self.dtype, device=self.device)  # noqa: E731
+        self.slots = {"embed": mk(self.units[0].numel), "head": mk(self.units[-1].numel),
+                      "block0": mk(block_numel), "block1": mk(block_numel)}
+        self.slot_unit = {k: -1 for k in self.slots}        # which unit a slot holds now
+        self.slot_free = {k: None for k in self.slots}      # CUDA event: last compute that read it
+        self.rope = rope_tables(self.mcfg, self.mcfg.max_position_embeddings, self.device, torch.float32)
+        self.copy_in = ThreadPoolExecutor(1, thread_name_prefix="copy-in")
+        self.copy_out = ThreadPoolExecutor(1, thread_name_prefix="copy-out")
+
+    # ------------------------------------------------------------------ plumbing
+    def _pin(self) -> None:
+        """Register every shared file the GPU reads or writes, once for the whole run."""
+        cudart = torch.cuda.cudart()
+        for kind in ("compute" if not self.h.aliased else "master", "grad"):
+            t = self.buf.files[kind].bytes
+            err = cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {kind} ({t.numel()} bytes) failed: {err}")
+
+    @property
+    def scheduler(self):
+        if self._scheduler is None:
+            self._scheduler = ray.get_actor(self._scheduler_name, namespace=self._namespace)
+        return self._scheduler
+
+    def _slot_name(self, u: int) -> str:
+        kind = self.units[u].kind
+        return f"block{(u - 1) % 2}" if kind == "block" else kind
+
+    def _stage(self, u: int, step: int, timer: _Timer) -> Future:
+        """Start bringing unit u's compute weights (as of step ``step``) into its slot."""
+        slot = self._slot_name(u)
+        if self.slot_unit[slot] == u and self._slot_step.get(slot) == step:
+            fut: Future = Future()
+            fut.set_result(None)
+            return fut
+        self.slot_unit[slot] = u
+        self._slot_step[slot] = step
+        free_ev = self.slot_free[slot]
+
+        def work():
+            timer.add("wait_optimizer_s", self.buf.wait(
+                lambda: self.buf.version(u) >= step, f"optimizer update of {self.units[u].name} for step {step}",
+                self.cfg.worker.wait_timeout_s))
+            src, dst = self.buf.compute(u), self.slots[slot][: self.units[u].numel]
+            t0 = time.perf_counter()
+            if self.cuda:
+                with torch.cuda.stream(self.copy_stream):
+                    if free_ev is not None:
+                        self.copy_stream.wait_event(free_ev)
+                    dst.copy_(src, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(self.copy_stream)
+                timer.add("copy_in_issue_s", time.perf_counter() - t0)
+                return ev
+            dst.copy_(src)
+            timer.add("copy_in_s", time.perf_counter() - t0)
+            return None
+
+        return self.copy_in.submit(work)
+
+    def _ready(self, fut: Future, timer: _Timer) -> None:
+        t0 = time.perf_counter()
+        ev = fut.result()
+        if ev is not None:
+            self.compute_stream.wait_event(ev)
+        timer.add("wait_copy_in_s", time.perf_counter() - t0)
+
+    def _release(self, u: int) -> None:
+        """Compute issued so far has finished reading unit u's slot before it is refilled."""
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(self.compute_stream)
+            self.slot_free[self._slot_name(u)] = ev
+
+    def _weights(self, u: int, grad: bool):
+        flat = self.slots[self._slot_name(u)][: self.units[u].numel]
+        if grad:
+            flat = flat.detach().requires_grad_()
+        return flat, bind(flat, self.units[u])
+
+    def _send_grad(self, u: int, step: int, g: torch.Tensor, timer: _Timer) -> Future:
+        """Copy unit u's flat fp32 gradient to shared memory, then tell the scheduler."""
+        ev = None
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(self.compute_stream)
+            g.record_stream(self.out_stream)
+
+        def work():
+            timer.add("wait_grad_free_s", self.buf.wait(
+                lambda: self.buf.grad_state(u) == 0, f"gradient region of {self.units[u].name}",
+                self.cfg.worker.wait_timeout_s))
+            t0 = time.perf_counter()
+            dst = self.buf.grad(u)
+            if self.cuda:
+                with torch.cuda.stream(self.out_stream):
+                    self.out_stream.wait_event(ev)
+                    dst.copy_(g, non_blocking=True)
+                self.out_stream.synchronize()
+            else:
+                dst.copy_(g)
+            timer.add("copy_out_s", time.perf_counter() - t0)
+            self.buf.set_grad_state(u, 1)
+            self.scheduler.grad_ready.remote(step, u)
+
+        return self.copy_out.submit(work)
+
+    # ------------------------------------------------------------------ steps
+    def run_step(self, step: int, tokens: np.ndarray) -> dict:
+        """Forward and backward of one step over tokens [micro_batches, batch, seq + 1]."""
+        try:
+            d = self.cfg.debug
+            if d.crash_actor == "worker" and d.crash_step == step:
+                raise InjectedFault(f"injected crash at step {step}")
+            return self._run_step(step, tokens)
+        except RunAborted as e:
+            raise ActorFailure(self.name, str(e), step) from None
+        except Exception as e:
+            self.buf.abort()
+            raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
+
+    def _run_step(self, step: int, tokens: np.ndarray) -> dict:
+        t_start = time.perf_counter()
+        timer = _Timer()
+        self._slot_step = getattr(self, "_slot_step", {})
+        toks = torch.tensor(tokens, dtype=torch.int64).to(self.device, non_blocking=True)
+        inputs, targets = toks[..., :-1], toks[..., 1:]
+        M = inputs.shape[0]
+        n_tokens = int((targets != IGNORE_INDEX).sum())
+        inv_n = 1.0 / max(n_tokens, 1)
+        U, L = len(self.units), self.L
+        sends: list[Future] = []
+
+        # ---- forward: embedding, blocks, saving each block's input
+        t0 = time.perf_counter()
+        nxt = self._stage(0, step, timer)
+        self._ready(nxt, timer)
+        nxt = self._stage(1, step, timer) if L else self._stage(U - 1, step, timer)
+        acts: list[list[torch.Tensor]] = [[None] * M for _ in range(L + 1)]
+        with torch.no_grad():
+            _, we = self._weights(0, grad=False)
+            for m in range(M):
+                acts[0][m] = embed_forward(we, inputs[m])
+            for i in range(L):
+                u = i + 1
+                self._ready(nxt, timer)
+                nxt = self._stage(u + 1, step, timer)       # next block, or the head
+                _, w = self._weights(u, grad=False)
+                for m in range(M):
+                    acts[i + 1][m] = block_forward(w, acts[i][m], self.rope, self.mcfg)
+                self._release(u)
+        timer.add("forward_s", time.perf_counter() - t0)
+
+        # ---- head: chunked loss, its gradient, and the gradient into the last block's output
+        t0 = time.perf_counter()
+        self._ready(nxt, timer)
+        if L:
+            nxt = self._stage(L, step, timer)               # the last block, still resident
+        head_flat, wh = self._weights(U - 1, grad=True)
+        tied = self.mcfg.tie_word_embeddings
+        emb_flat, we = self._weights(0, grad=True) if tied else (None, None)
+        g_head = torch.zeros(self.units[-1].numel, dtype=torch.float32, device=self.device)
+        g_embed = torch.zeros(self.units[0].numel, dtype=torch.float32, device=self.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        dys: list[torch.Tensor] = [None] * M
+        chunk = self.cfg.train.loss_chunk_tokens
+        for m in range(M):
+            x = acts[L][m]
+            acts[L][m] = None
+            b, s, hdim = x.shape
+            xf, tf = x.reshape(b * s, hdim), targets[m].reshape(b * s)
+            dx = torch.empty_like(xf)
+            for c in range(0, b * s, chunk):
+                xc = xf[c:c + chunk].detach().requires_grad_()
+                loss, _ = head_loss_sum(wh, we, xc, tf[c:c + chunk], self.mcfg)
+                ins = [head_flat, xc] + ([emb_flat] if tied else [])
+                grads = torch.autograd.grad(loss * inv_n, ins)
+                g_head += grads[0]
+                dx[c:c + chunk] = grads[1]
+                if tied:
+                    g_embed += grads[2]
+                loss_sum += loss.detach().double()
+            dys[m] = dx.view(b, s, hdim)
+        self._release(U - 1)
+        sends.append(self._send_grad(U - 1, step, g_head, timer))
+        timer.add("head_s", time.perf_counter() - t0)
+
+        # ---- backward through the blocks, recomputing each from its saved input
+        t0 = time.perf_counter()
+        for i in reversed(range(L)):
+            u = i + 1
+            self._ready(nxt, timer)
+            if i > 0:
+                nxt = self._stage(u - 1, step, timer)
+            flat, w = self._weights(u, grad=True)
+            g = torch.zeros(self.units[u].numel, dtype=torch.float32, device=self.device)
+            for m in range(M):
+                x = acts[i][m].detach().requires_grad_()
+                acts[i][m] = None
+                with torch.enable_grad():
+                    y = block_forward(w, x, self.rope, self.mcfg)
+                    gw, gx = torch.autograd.grad(y, [flat, x], grad_outputs=dys[m])
+                g += gw
+                dys[m] = gx
+            self._release(u)
+            sends.append(self._send_grad(u, step, g, timer))
+        # ---- the embedding: its lookup gradient (plus the tied head's contribution)
+        emb_flat, we = self._weights(0, grad=True)
+        for m in range(M):
+            with torch.enable_grad():
+                y = embed_forward(we, inputs[m])
+                (gw,) = torch.autograd.grad(y, [emb_flat], grad_outputs=dys[m])
+            g_embed += gw
+        self._release(0)
+        sends.append(self._send_grad(0, step, g_embed, timer))
+        timer.add("backward_s", time.perf_counter() - t0)
+
+        loss_total = float(loss_sum)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        t0 = time.perf_counter()
+        for f in sends:
+            f.result()
+        timer.add("drain_copy_out_s", time.perf_counter() - t0)
+        out = {"loss_sum": loss_total, "tokens": n_tokens, "grads_sent": len(sends),
+               "worker_s": time.perf_counter() - t_start}
+        out.update(timer.t)
+        if self.cuda:
+            out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        return out
+
+    def evaluate(self, step: int, tokens: np.ndarray) -> dict:
+        """Forward-only loss on tokens [micro_batches, batch, seq + 1] with step ``step``'s weights."""
+        try:
+            return self._evaluate(step, tokens)
+        except RunAborted as e:
+            raise ActorFailure(self.name, str(e), step) from None
+        except Exception as e:
+            self.buf.abort()
+            raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
+
+    @torch.no_grad()
+    def _evaluate(self, step: int, tokens: np.ndarray) -> dict:
+        timer = _Timer()
+        self._slot_step = getattr(self, "_slot_step", {})
+        toks = torch.tensor(tokens, dtype=torch.int64).to(self.device)
+        inputs, targets = toks[..., :-1], toks[..., 1:]
+        U, L = len(self.units), self.L
+        nxt = self._stage(0, step, timer)
+        self._ready(nxt, timer)
+        _, we = self._weights(0, grad=False)
+        xs = [embed_forward(we, inputs[m]) for m in range(inputs.shape[0])]
+        for u in range(1, U):
+            nxt = self._stage(u, step, timer)
+            self._ready(nxt, timer)
+            _, w = self._weights(u, grad=False)
+            if u <= L:
+                xs = [block_forward(w, x, self.rope, self.mcfg) for x in xs]
+            self._release(u)
+        loss, count = 0.0, 0
+        chunk = self.cfg.train.loss_chunk_tokens
+        for m, x in enumerate(xs):
+            xf, tf = x.reshape(-1, x.shape[-1]), targets[m].reshape(-1)
+            for c in range(0, xf.shape[0], chunk):
+                ls, n = head_loss_sum(w, we, xf[c:c + chunk], tf[c:c + chunk], self.mcfg)
+                loss += float(ls)
+                count += int(n)
+        self._release(0)
+        return {"loss_sum": loss, "tokens": count}
+
+    def close(self) -> None:
+        self.copy_in.shutdown(wait=False, cancel_futures=True)
+        self.copy_out.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,1 @@
+"""Shipped YAML configs (data only); ``megaray.config.shipped_config`` finds them."""

@@ -1,0 +1,28 @@
+"""``megaray`` command line: ``megaray train CONFIG [key=value ...]``."""
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: megaray COMMAND ...
+
+commands:
+  train CONFIG [section.key=value ...]   train a model (CONFIG: a YAML file or 'demo')
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "train":
+        from megaray.pipelines.train import main as train_main
+
+        return train_main(rest)
+    print(f"megaray: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,405 @@
+"""Run configuration: one dataclass per YAML section, validated on load.
+
+``load_config(path, overrides)`` is the only way YAML becomes a ``RunConfig``. Every field
+is type-checked against its annotation, unknown keys are refused, and cross-field checks run
+in ``__post_init__``; each failure raises ``ConfigError`` naming the dotted YAML key. All of
+this happens before any Ray actor starts. Actors receive the frozen ``RunConfig`` object
+itself, never loose keyword arguments or environment variables.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megaray.errors import ConfigError
+from megaray.shapes import SHAPES
+
+_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(kw_only=True)
+class RunSection:
+    name: str = "run"
+    """Run name; the run directory is ``<dir>/<name>-<timestamp>``."""
+    dir: str = "runs"
+    """Folder that holds run directories."""
+    seed: int = 0
+    """Seed of weight initialization and of data sampling."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A Llama-family decoder, in Hugging Face config.json terms.
+
+    ``shape`` names a registered shape (``megaray.shapes``) whose values are the defaults;
+    any key given beside it overrides that value.
+    """
+
+    shape: str | None = None
+    """Registered shape name (debug, demo, llama1b, llama3b, llama8b) or null."""
+    vocab_size: int = 0
+    """Vocabulary size."""
+    hidden_size: int = 0
+    """Model width."""
+    intermediate_size: int = 0
+    """SwiGLU MLP width."""
+    num_hidden_layers: int = 0
+    """Number of decoder blocks."""
+    num_attention_heads: int = 0
+    """Query heads."""
+    num_key_value_heads: int | None = None
+    """Key/value heads (grouped-query attention); null means as many as query heads."""
+    head_dim: int | None = None
+    """Per-head width; null means hidden_size / num_attention_heads."""
+    rms_norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    rope_scaling: dict | None = None
+    """Rotary scaling, HF style; only rope_type 'llama3' (or null) is supported."""
+    max_position_embeddings: int = 2048
+    """Longest position the rotary tables are built for."""
+    tie_word_embeddings: bool = False
+    """Output head shares the input embedding matrix."""
+    attention_bias: bool = False
+    """Biases on q/k/v projections (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm on queries and keys per head before rotary (Qwen3)."""
+    initializer_range: float = 0.02
+    """Standard deviation of the normal initialization of matrices."""
+
+    def __post_init__(self):
+        if self.shape is not None:
+            if self.shape not in SHAPES:
+                raise ConfigError("model.shape", f"unknown shape {self.shape!r}; known: {sorted(SHAPES)}")
+            base = SHAPES[self.shape]
+            defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+            for k, v in base.items():
+                if getattr(self, k) == defaults[k]:
+                    setattr(self, k, v)
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"model.{key}", f"must be a positive integer (got {getattr(self, key)})")
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.num_key_value_heads <= 0 or self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                "model.num_key_value_heads",
+                f"{self.num_key_value_heads} must divide num_attention_heads={self.num_attention_heads}",
+            )
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError("model.num_attention_heads", "must divide hidden_size when head_dim is not set")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.head_dim % 2:
+            raise ConfigError("model.head_dim", f"must be even for rotary embeddings (got {self.head_dim})")
+        if self.rms_norm_eps <= 0:
+            raise ConfigError("model.rms_norm_eps", "must be > 0")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind != "llama3":
+                raise ConfigError("model.rope_scaling", f"rope_type {kind!r} is not supported (only 'llama3')")
+            for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+                if k not in self.rope_scaling:
+                    raise ConfigError(f"model.rope_scaling.{k}", "is required for rope_type 'llama3'")
+
+    def num_params(self) -> int:
+        h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        block = 2 * h + h * q + 2 * h * kv + q * h + 3 * h * i
+        if self.attention_bias:
+            block += q + 2 * kv
+        if self.qk_norm:
+            block += 2 * self.head_dim
+        head = h + (0 if self.tie_word_embeddings else self.vocab_size * h)
+        return self.vocab_size * h + L * block + head
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    source: str = "stdlib"
+    """'stdlib': the running Python's standard-library source, byte-level tokens (no download)."""
+    max_bytes: int = 8_000_000
+    """How many bytes of the source corpus to read."""
+    holdout_fraction: float = 0.02
+    """Tail of the corpus kept out of training, for the evaluation loss."""
+
+    def __post_init__(self):
+        if self.source != "stdlib":
+            raise ConfigError("data.source", f"unknown source {self.source!r} (known: 'stdlib')")
+        if self.max_bytes < 4096:
+            raise ConfigError("data.max_bytes", "must be at least 4096")
+        if not 0.0 <= self.holdout_fraction < 0.5:
+            raise ConfigError("data.holdout_fraction", "must be in [0, 0.5)")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    steps: int = 100
+    """Optimizer steps to run."""
+    micro_batch_size: int = 8
+    """Sequences per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per step; the step's gradient is exactly that of one batch of them all."""
+    seq_len: int = 256
+    """Tokens per sequence."""
+    compute_dtype: str = "bfloat16"
+    """Dtype of the weights and activations the worker computes with: bfloat16 or float32."""
+    loss_chunk_tokens: int = 4096
+    """Tokens per cross-entropy chunk: the logits of more tokens never exist at once."""
+    log_every: int = 1
+    """Steps between log lines and TensorBoard points."""
+    eval_every: int = 0
+    """Steps between held-out evaluations (0: only at the end)."""
+    eval_batches: int = 4
+    """Micro-batches in one evaluation."""
+
+    def __post_init__(self):
+        for key in ("steps", "micro_batch_size", "grad_accum", "seq_len", "loss_chunk_tokens", "log_every"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"train.{key}", f"must be >= 1 (got {getattr(self, key)})")
+        if self.eval_every < 0 or self.eval_batches < 0:
+            raise ConfigError("train.eval_every", "must be >= 0")
+        if self.compute_dtype not in _DTYPES:
+            raise ConfigError("train.compute_dtype", f"must be one of {_DTYPES} (got {self.compute_dtype!r})")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.seq_len
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    schedule: str = "cosine"
+    """Decay after warmup: cosine, linear or constant."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from lr/warmup_steps up to lr."""
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay of matrices."""
+    decay_norms_and_biases: bool = False
+    """Also decay 1-D parameters (norm scales, biases)."""
+    clip_grad_norm: float | None = 1.0
+    """Exact global-norm clipping threshold; null turns clipping off."""
+    num_shards: int = 2
+    """Optimizer actors; the layer units are split into this many contiguous ranges."""
+    threads_per_shard: int = 1
+    """torch threads in each optimizer actor (also its Ray num_cpus)."""
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise ConfigError("optim.lr", f"must be > 0 (got {self.lr})")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ConfigError("optim.min_lr", f"must be in [0, lr] (got {self.min_lr})")
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ConfigError("optim.schedule", f"must be cosine, linear or constant (got {self.schedule!r})")
+        if self.warmup_steps < 0:
+            raise ConfigError("optim.warmup_steps", "must be >= 0")
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+            raise ConfigError("optim.betas", f"must be two numbers in [0, 1) (got {self.betas})")
+        if self.eps <= 0:
+            raise ConfigError("optim.eps", "must be > 0")
+        if self.weight_decay < 0:
+            raise ConfigError("optim.weight_decay", "must be >= 0")
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise ConfigError("optim.clip_grad_norm", "must be > 0 or null")
+        if self.num_shards < 1:
+            raise ConfigError("optim.num_shards", "must be >= 1")
+        if self.threads_per_shard < 1:
+            raise ConfigError("optim.threads_per_shard", "must be >= 1")
+
+
+@dataclass(kw_only=True)
+class WorkerConfig:
+    device: str = "auto"
+    """'auto' (CUDA when present), 'cuda' or 'cpu'."""
+    threads: int = 1
+    """torch threads of the worker (and its Ray num_cpus) when it computes on the CPU."""
+    wait_timeout_s: float = 600.0
+    """Longest wait for an optimizer update or a free gradient buffer before the run fails."""
+
+    def __post_init__(self):
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ConfigError("worker.device", f"must be auto, cuda or cpu (got {self.device!r})")
+        if self.threads < 1:
+            raise ConfigError("worker.threads", "must be >= 1")
+        if self.wait_timeout_s <= 0:
+            raise ConfigError("worker.wait_timeout_s", "must be > 0")
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    address: str | None = None
+    """Ray address to attach to; null uses RAY_ADDRESS if set, else starts a local Ray."""
+    num_cpus: int | None = None
+    """CPUs of a local Ray started by megaray (null: this machine's count, at least what the run needs)."""
+    object_store_mb: int = 256
+    """Object store of a local Ray; small, because weights travel in megaray's own shared memory."""
+    shm_dir: str = "/dev/shm"
+    """Folder of the shared-memory files that hold weights, gradients and control words."""
+
+
+@dataclass(kw_only=True)
+class DebugConfig:
+    crash_actor: str | None = None
+    """Inject a failure in this actor kind (optimizer, worker) ... (tests only)."""
+    crash_step: int | None = None
+    """... at this step."""
+
+    def __post_init__(self):
+        if self.crash_actor not in (None, "optimizer", "worker"):
+            raise ConfigError("debug.crash_actor", "must be null, optimizer or worker")
+        if (self.crash_actor is None) != (self.crash_step is None):
+            raise ConfigError("debug.crash_step", "crash_actor and crash_step go together")
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(shape="debug"))
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+
+    def __post_init__(self):
+        units = self.model.num_hidden_layers + 2
+        if self.optim.num_shards > units:
+            raise ConfigError(
+                "optim.num_shards",
+                f"{self.optim.num_shards} optimizer shards for {units} layer units "
+                f"({self.model.num_hidden_layers} blocks + embedding + head): at most {units}",
+            )
+        if self.train.seq_len > self.model.max_position_embeddings:
+            raise ConfigError(
+                "train.seq_len",
+                f"{self.train.seq_len} exceeds model.max_position_embeddings={self.model.max_position_embeddings}",
+            )
+        if self.data.source == "stdlib" and self.model.vocab_size < 256:
+            raise ConfigError("model.vocab_size", "byte-level data needs vocab_size >= 256")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS = {f.name: f for f in dataclasses.fields(RunConfig)}
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    if annotation is Any:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if origin is not None:
+        return isinstance(value, origin)
+    return isinstance(value, annotation)
+
+
+def _build_section(cls, key: str, data: Any):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(key, f"must be a mapping (got {type(data).__name__})")
+    if cls is ModelConfig and data.get("shape") in SHAPES:
+        data = {**SHAPES[data["shape"]], **data}  # explicit keys win over the shape's
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        if k not in names:
+            raise ConfigError(f"{key}.{k}", f"unknown key (known in '{key}': {sorted(names)})")
+        if not _type_ok(v, hints[k]):
+            want = getattr(hints[k], "__name__", str(hints[k]))
+            raise ConfigError(f"{key}.{k}", f"expected {want}, got {type(v).__name__} {v!r}")
+        if hints[k] is float and isinstance(v, int):
+            v = float(v)
+        kwargs[k] = v
+    return cls(**kwargs)
+
+
+def build_config(data: dict) -> RunConfig:
+    """Validate a plain dict (as read from YAML) into a RunConfig."""
+    if not isinstance(data, dict):
+        raise ConfigError("<root>", "a config is a mapping of sections")
+    sections = {}
+    for name, value in data.items():
+        if name not in _SECTIONS:
+            raise ConfigError(name, f"unknown section (known: {sorted(_SECTIONS)})")
+        cls = typing.get_type_hints(RunConfig)[name]
+        sections[name] = _build_section(cls, name, value)
+    return RunConfig(**sections)
+
+
+def apply_override(data: dict, item: str) -> None:
+    """Apply one ``section.key=value`` override (value parsed as YAML) to a raw config dict."""
+    if "=" not in item:
+        raise ConfigError(item, "an override is written key=value, e.g. train.steps=10")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(key, "an override key is section.key, e.g. optim.lr")
+    node = data
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(key, f"'{p}' is not a section")
+        node = nxt
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def shipped_config(name: str) -> Path:
+    """Path of a YAML config shipped with megaray (``demo`` -> configs/demo.yaml)."""
+    here = Path(__file__).resolve().parent
+    for folder in (here.parent / "configs", here / "configs"):
+        p = folder / f"{name}.yaml"
+        if p.is_file():
+            return p
+    import megaray.configs as pkg  # installed layout
+
+    return Path(pkg.__file__).parent / f"{name}.yaml"
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read YAML at ``path`` (or a shipped config's name), apply overrides, validate."""
+    p = Path(path)
+    if not p.exists() and not str(path).endswith((".yaml", ".yml")):
+        p = shipped_config(str(path))
+    if not p.is_file():
+        raise ConfigError("<file>", f"no config file at {path}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError("<file>", f"{p} is not valid YAML: {e}") from None
+    for item in overrides:
+        apply_override(data, item)
+    return build_config(data)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

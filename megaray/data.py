@@ -1,0 +1,57 @@
+"""The embedded demo corpus: the running Python's standard-library source, byte-level.
+
+Every machine that runs megaray has it, so the demo needs no download. Tokens are bytes
+(vocab 256). Batches are windows at random offsets drawn from a generator seeded by
+(seed, step), so the batch of step s is the same however the run got there.
+"""
+from __future__ import annotations
+
+import os
+import sysconfig
+
+import numpy as np
+
+from megaray.config import DataConfig, TrainConfig
+from megaray.errors import DataError
+
+
+def stdlib_files() -> list[str]:
+    root = sysconfig.get_paths()["stdlib"]
+    out = []
+    for d, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(s for s in subdirs if s not in ("site-packages", "dist-packages", "__pycache__"))
+        out += [os.path.join(d, f) for f in sorted(files) if f.endswith(".py")]
+    return out
+
+
+class ByteCorpus:
+    """A flat uint8 token array split into train and held-out parts."""
+
+    def __init__(self, data: DataConfig):
+        chunks, total = [], 0
+        for path in stdlib_files():
+            try:
+                with open(path, "rb") as f:
+                    b = f.read()
+            except OSError:
+                continue
+            chunks.append(np.frombuffer(b + b"\n", dtype=np.uint8))
+            total += len(b) + 1
+            if total >= data.max_bytes:
+                break
+        if total < 4096:
+            raise DataError(f"the standard library under {sysconfig.get_paths()['stdlib']} has too little source")
+        tokens = np.concatenate(chunks)[: data.max_bytes]
+        cut = len(tokens) - int(len(tokens) * data.holdout_fraction)
+        self.train, self.heldout = tokens[:cut], tokens[cut:]
+
+    def batch(self, step: int, train: TrainConfig, seed: int, split: str = "train") -> np.ndarray:
+        """int64 array [grad_accum, micro_batch_size, seq_len + 1] for ``step``."""
+        src = self.train if split == "train" else self.heldout
+        n = train.grad_accum * train.micro_batch_size
+        if len(src) <= train.seq_len + 1:
+            raise DataError(f"the {split} corpus ({len(src)} tokens) is shorter than seq_len + 1")
+        rng = np.random.default_rng([seed, step, 0 if split == "train" else 1])
+        starts = rng.integers(0, len(src) - train.seq_len - 1, size=n)
+        idx = starts[:, None] + np.arange(train.seq_len + 1)[None, :]
+        return src[idx].astype(np.int64).reshape(train.grad_accum, train.micro_batch_size, train.seq_len + 1)

@@ -1,0 +1,52 @@
+"""Exception types of megaray.
+
+Every error a user can cause or meet is one of these. They pickle cleanly (Ray carries them
+between processes) and an error raised inside an actor says which actor it was.
+"""
+from __future__ import annotations
+
+
+class MegarayError(Exception):
+    """Base class of every megaray error."""
+
+
+class ConfigError(MegarayError, ValueError):
+    """A config key is unknown, has the wrong type or an impossible value.
+
+    ``key`` is the dotted YAML key (``optim.num_shards``), so the message names it.
+    Raised while loading, before any Ray actor starts.
+    """
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        self.message = message
+        super().__init__(f"config key '{key}': {message}")
+
+    def __reduce__(self):
+        return (type(self), (self.key, self.message))
+
+
+class DataError(MegarayError, ValueError):
+    """Training data is missing or malformed; the message names the file (and row)."""
+
+
+class ActorFailure(MegarayError, RuntimeError):
+    """An actor of a run failed; ``actor`` is its name (``megaray:<run>:optimizer-1``)."""
+
+    def __init__(self, actor: str, message: str, step: int | None = None):
+        self.actor = actor
+        self.message = message
+        self.step = step
+        where = f" at step {step}" if step is not None else ""
+        super().__init__(f"{actor} failed{where}: {message}")
+
+    def __reduce__(self):
+        return (type(self), (self.actor, self.message, self.step))
+
+
+class RunAborted(MegarayError, RuntimeError):
+    """Raised in an actor that was waiting on shared memory when the run was aborted."""
+
+
+class InjectedFault(MegarayError, RuntimeError):
+    """The failure that ``debug.crash_actor``/``debug.crash_step`` asks for (tests only)."""

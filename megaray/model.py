@@ -1,0 +1,219 @@
+"""Llama-family decoder as stateless layer templates.
+
+Design choices:
+- The model is cut into *layer units*: the embedding, each decoder block, and the head
+  (final norm, plus the output matrix when embeddings are untied). Each unit's parameters
+  live in one flat buffer; ``UnitLayout`` says where each named tensor sits in it.
+- Within a unit, matrices come first and 1-D tensors (norm scales, biases) last, so the
+  optimizer sees two contiguous segments: decayed and not decayed.
+- A template is a pure function of (weights bound as views into a flat buffer,
+  activations). No nn.Module owns weights; backward through views of one flat leaf tensor
+  yields one flat gradient for the whole unit.
+- Names are Hugging Face's (``model.layers.3.self_attn.q_proj.weight``), so checkpoints
+  map one to one.
+- The loss is a *sum* over target tokens, computed in chunks so the logits of a whole
+  batch never exist at once; the caller divides by the step's token count, which makes
+  gradient accumulation exact.
+
+This module imports neither Ray nor CUDA streams.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from megaray.config import ModelConfig
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str          # Hugging Face name
+    shape: tuple
+    offset: int        # elements into the unit's flat buffer
+    decay: bool        # a matrix (weight decay applies) or a 1-D tensor
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    index: int         # position in forward order: 0 = embedding, 1..L = blocks, L+1 = head
+    name: str          # "embed", "block.3", "head"
+    kind: str          # "embed" | "block" | "head"
+    params: tuple      # ParamSpec, matrices first
+    numel: int
+    decay_numel: int   # params[...] with decay occupy [0, decay_numel)
+
+
+def _unit(index: int, name: str, kind: str, entries: list[tuple[str, tuple]]) -> UnitLayout:
+    entries = sorted(entries, key=lambda e: len(e[1]) < 2)  # stable: matrices first
+    specs, off, decay_numel = [], 0, 0
+    for pname, shape in entries:
+        spec = ParamSpec(pname, tuple(shape), off, len(shape) >= 2)
+        specs.append(spec)
+        off += spec.numel
+        if spec.decay:
+            decay_numel = off
+    return UnitLayout(index, name, kind, tuple(specs), off, decay_numel)
+
+
+def build_layout(cfg: ModelConfig) -> list[UnitLayout]:
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    units = [_unit(0, "embed", "embed", [("model.embed_tokens.weight", (cfg.vocab_size, h))])]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        e = [
+            (p + "self_attn.q_proj.weight", (q, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, q)),
+            (p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)),
+            (p + "mlp.up_proj.weight", (cfg.intermediate_size, h)),
+            (p + "mlp.down_proj.weight", (h, cfg.intermediate_size)),
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+        ]
+        if cfg.attention_bias:
+            e += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
+                  (p + "self_attn.v_proj.bias", (kv,))]
+        if cfg.qk_norm:
+            e += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        units.append(_unit(i + 1, f"block.{i}", "block", e))
+    head = [("model.norm.weight", (h,))]
+    if not cfg.tie_word_embeddings:
+        head.insert(0, ("lm_head.weight", (cfg.vocab_size, h)))
+    units.append(_unit(cfg.num_hidden_layers + 1, "head", "head", head))
+    return units
+
+
+def short_name(spec_name: str) -> str:
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``self_attn.q_proj.weight``."""
+    if spec_name.startswith("model.layers."):
+        return spec_name.split(".", 3)[3]
+    return spec_name
+
+
+def bind(flat: torch.Tensor, unit: UnitLayout) -> dict[str, torch.Tensor]:
+    """Views into ``flat`` for each parameter of ``unit``, keyed by short name."""
+    return {short_name(s.name): flat[s.offset:s.offset + s.numel].view(s.shape) for s in unit.params}
+
+
+def init_unit(unit: UnitLayout, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    """Deterministic fp32 initialization of one unit, independent of sharding and order."""
+    flat = torch.empty(unit.numel, dtype=torch.float32)
+    for s in unit.params:
+        view = flat[s.offset:s.offset + s.numel]
+        if s.decay:
+            g = torch.Generator().manual_seed((seed * 1_000_003 + _stable_hash(s.name)) % (2**63))
+            view.normal_(0.0, cfg.initializer_range, generator=g)
+        elif s.name.endswith("bias"):
+            view.zero_()
+        else:
+            view.fill_(1.0)
+    return flat
+
+
+def _stable_hash(text: str) -> int:
+    h = 1469598103934665603
+    for b in text.encode():
+        h = ((h ^ b) * 1099511628211) % (2**64)
+    return h
+
+
+# ----------------------------------------------------------------------------- templates
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rope_tables(cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32):
+    """cos, sin of shape [seq_len, head_dim], with llama3 frequency scaling when configured."""
+    hd = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    rs = cfg.rope_scaling
+    if rs is not None:
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old / lo, old / hi
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    pos = torch.arange(seq_len, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, heads, S, hd]; cos/sin: [S, hd]
+    return x * cos + _rotate_half(x) * sin
+
+
+def embed_forward(w: dict, tokens: torch.Tensor) -> torch.Tensor:
+    return F.embedding(tokens, w["model.embed_tokens.weight"])
+
+
+def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig) -> torch.Tensor:
+    """One decoder block: x + attn(norm(x)), then + mlp(norm(.)). x: [B, S, H]."""
+    b, s, _ = x.shape
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    cos, sin = rope[0][:s], rope[1][:s]
+    h = rms_norm(x, w["input_layernorm.weight"], cfg.rms_norm_eps)
+    q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
+    k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
+    v = F.linear(h, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
+    q = q.view(b, s, nh, hd)
+    k = k.view(b, s, nkv, hd)
+    if cfg.qk_norm:
+        q = rms_norm(q, w["self_attn.q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["self_attn.k_norm.weight"], cfg.rms_norm_eps)
+    q = apply_rope(q.transpose(1, 2), cos.to(q.dtype), sin.to(q.dtype))
+    k = apply_rope(k.transpose(1, 2), cos.to(k.dtype), sin.to(k.dtype))
+    v = v.view(b, s, nkv, hd).transpose(1, 2)
+    if nkv != nh:
+        k = k.repeat_interleave(nh // nkv, dim=1)
+        v = v.repeat_interleave(nh // nkv, dim=1)
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    a = a.transpose(1, 2).reshape(b, s, nh * hd)
+    x = x + F.linear(a, w["self_attn.o_proj.weight"])
+    h = rms_norm(x, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
+    m = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])
+    return x + F.linear(m, w["mlp.down_proj.weight"])
+
+
+def head_loss_sum(w_head: dict, w_embed: dict | None, x: torch.Tensor, targets: torch.Tensor,
+                  cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of token cross-entropies of one chunk, and the count of counted targets.
+
+    x: [N, H] final hidden states of N tokens; targets: [N] (IGNORE_INDEX is skipped).
+    The logits of the chunk are computed in fp32.
+    """
+    h = rms_norm(x, w_head["model.norm.weight"], cfg.rms_norm_eps)
+    out = w_embed["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w_head["lm_head.weight"]
+    logits = F.linear(h, out).float()
+    loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss, (targets != IGNORE_INDEX).sum()
+
+
+def flops_per_step(cfg: ModelConfig, tokens: int, seq_len: int) -> float:
+    """DESIGN.md's formula: 6 x params x tokens + 6 x layers x hidden x seq x tokens."""
+    return 6.0 * cfg.num_params() * tokens + 6.0 * cfg.num_hidden_layers * cfg.hidden_size * seq_len * tokens

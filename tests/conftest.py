@@ -1,0 +1,23 @@
+"""Shared fixtures: one Ray cluster per test module, with CPUs set explicitly."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    ray.init(num_cpus=6, num_gpus=0, object_store_memory=128 * 2**20, include_dashboard=False,
+             log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def shm_files(run_id: str | None = None) -> list[str]:
+    return [f for f in os.listdir("/dev/shm") if f.startswith("megaray_") and (run_id is None or run_id in f)]

@@ -39,8 +39,8 @@ class RunSection:
 class ModelConfig:
     """A Llama-family decoder, in Hugging Face config.json terms.
 
-    ``shape`` names a registered shape (``megaray.shapes``) whose values are the defaults;
-    any key given beside it overrides that value.
+    In YAML, ``shape`` names a registered shape (``megaray.shapes``) whose values are the
+    defaults; any key given beside it overrides that value (``ModelConfig.from_shape`` in code).
     """
 
     shape: str | None = None
@@ -77,14 +77,8 @@ class ModelConfig:
     """Standard deviation of the normal initialization of matrices."""
 
     def __post_init__(self):
-        if self.shape is not None:
-            if self.shape not in SHAPES:
-                raise ConfigError("model.shape", f"unknown shape {self.shape!r}; known: {sorted(SHAPES)}")
-            base = SHAPES[self.shape]
-            defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-            for k, v in base.items():
-                if getattr(self, k) == defaults[k]:
-                    setattr(self, k, v)
+        if self.shape is not None and self.shape not in SHAPES:
+            raise ConfigError("model.shape", f"unknown shape {self.shape!r}; known: {sorted(SHAPES)}")
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"model.{key}", f"must be a positive integer (got {getattr(self, key)})")
@@ -110,6 +104,13 @@ class ModelConfig:
             for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
                 if k not in self.rope_scaling:
                     raise ConfigError(f"model.rope_scaling.{k}", "is required for rope_type 'llama3'")
+
+    @classmethod
+    def from_shape(cls, shape: str, **overrides) -> "ModelConfig":
+        """A registered shape with some keys overridden."""
+        if shape not in SHAPES:
+            raise ConfigError("model.shape", f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
+        return cls(**{**SHAPES[shape], "shape": shape, **overrides})
 
     def num_params(self) -> int:
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
@@ -271,7 +272,7 @@ class DebugConfig:
 @dataclass(kw_only=True)
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(shape="debug"))
+    model: ModelConfig = field(default_factory=lambda: ModelConfig.from_shape("debug"))
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -141,9 +141,18 @@ class TrainingSession:
         self._call(self.actors["scheduler"].drain.remote())
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """fp32 master weights by Hugging Face name, after all pending updates."""
+        """fp32 master weights by Hugging Face name, after all pending updates.
+
+        Read straight from the shared master file (no copy through Ray's object store).
+        """
         self.drain()
-        return ray.get(self.actors["store"].state_dict.remote())
+        master = RunBuffers(self.handles, kinds=("master",))
+        out = {}
+        for u in self.handles.units:
+            flat = master.master(u.index)
+            for s in u.params:
+                out[s.name] = flat[s.offset:s.offset + s.numel].view(s.shape).numpy().copy()
+        return out
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         ray.get(self.actors["store"].load_state_dict.remote(state))

@@ -34,15 +34,6 @@ class ParameterStore:
     def handles(self) -> Handles:
         return self.h
 
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """fp32 copies of every master tensor, by Hugging Face name."""
-        out = {}
-        for u in self.h.units:
-            flat = self.buf.master(u.index)
-            for s in u.params:
-                out[s.name] = flat[s.offset:s.offset + s.numel].view(s.shape).numpy().copy()
-        return out
-
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """Overwrite master weights (and the compute copy) before training starts."""
         known = {s.name for u in self.h.units for s in u.params}

@@ -7,6 +7,7 @@ USAGE = """usage: megaray COMMAND ...
 
 commands:
   train CONFIG [section.key=value ...]   train a model (CONFIG: a YAML file or 'demo')
+  bench [--shape S --seq N --tokens N ...] megaray vs a GPU-resident PyTorch baseline (needs a GPU)
 """
 
 
@@ -20,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
         from megaray.pipelines.train import main as train_main
 
         return train_main(rest)
+    if cmd == "bench":
+        from megaray.pipelines.bench import main as bench_main
+
+        return bench_main(rest)
     print(f"megaray: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -1,0 +1,47 @@
+"""Bench entrypoint: ``python -m megaray.pipelines.bench --shape llama1b ...`` (= ``megaray bench``)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
+    p = argparse.ArgumentParser(prog=prog, description="megaray vs a GPU-resident PyTorch baseline")
+    p.add_argument("--shape", default="llama1b")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--tokens", type=int, default=65536, help="tokens per step")
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--shards", type=int, default=4)
+    p.add_argument("--threads", type=int, default=3, help="threads per optimizer shard")
+    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--set", nargs="*", default=[], help="section.key=value for the megaray config")
+    p.add_argument("--json", help="append the result as one JSON line to this file")
+    a = p.parse_args(argv)
+    import ray
+    import yaml
+
+    from megaray.bench import bench, print_table
+
+    extra = {kv.split("=", 1)[0]: yaml.safe_load(kv.split("=", 1)[1]) for kv in a.set}
+    started = not ray.is_initialized()
+    if started:
+        import os
+
+        ray.init(num_cpus=os.cpu_count(), object_store_memory=512 * 2**20, include_dashboard=False)
+    try:
+        r = bench(a.shape, a.seq, a.tokens, a.micro_batch, a.steps, a.shards, a.threads,
+                  baseline=not a.no_baseline, extra=extra)
+        print_table(r)
+        if a.json:
+            with open(a.json, "a") as f:
+                f.write(json.dumps(r) + "\n")
+        return 0
+    finally:
+        if started:
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog="python -m megaray.pipelines.bench"))

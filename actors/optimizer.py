@@ -9,9 +9,11 @@ unit's shared gradient region. After an update it refreshes the compute copy, th
 a half-written layer.
 
 Two modes, chosen by the scheduler:
-- clipping on: ``on_grad`` only returns the gradient's squared norm as soon as it lands;
-  ``apply`` runs after the whole backward with the exact global clip coefficient, in
-  forward order, overlapping the next step's forward.
+- clipping on: ``on_grad`` only queues the unit; ``apply`` runs after the whole backward
+  with the exact global clip coefficient (from the norms the worker took on the GPU), in
+  forward order, overlapping the next step's forward. The coefficient is applied inside
+  the fused AdamW kernel (its ``grad_scale`` input, as torch's GradScaler uses it), so
+  clipping costs no extra pass over the gradient.
 - clipping off: ``on_grad`` updates the unit at once, overlapping the rest of the backward.
 """
 from __future__ import annotations
@@ -52,18 +54,15 @@ class OptimizerShard:
         if d.crash_actor == "optimizer" and d.crash_step == step:
             raise InjectedFault(f"{self.name}: injected crash at step {step}")
 
-    def on_grad(self, step: int, u: int, lr: float, apply_now: bool) -> float:
-        """A unit's gradient has landed; returns its squared L2 norm (float64)."""
+    def on_grad(self, step: int, u: int, lr: float, apply_now: bool) -> None:
+        """A unit's gradient has landed: update it now, or queue it for ``apply``."""
         t0 = time.perf_counter()
         try:
             self._fault(step)
-            g = self.buf.grad(u)
-            sq = float(torch.linalg.vector_norm(g, dtype=torch.float64) ** 2)
             if apply_now:
                 self._update(step, u, 1.0, lr, skip=False)
             else:
                 self.pending.append(u)
-            return sq
         except Exception as e:
             raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
         finally:
@@ -86,9 +85,10 @@ class OptimizerShard:
     def _update(self, step: int, u: int, coef: float, lr: float, skip: bool) -> None:
         if not skip:
             grad = self.buf.grad(u)
-            if coef != 1.0:
-                grad.mul_(coef)
             opt = self.opts[u]
+            # Fused AdamW divides the gradient by grad_scale in its own pass.
+            opt.grad_scale = None if coef == 1.0 else torch.tensor(1.0 / coef)
+            opt.found_inf = None if coef == 1.0 else torch.zeros(())
             for group, (p, sl) in zip(opt.param_groups, self.segments[u]):
                 group["lr"] = lr
                 p.grad = grad[sl]

@@ -6,7 +6,7 @@ owns the unit, so a shard starts on a gradient while the GPU computes the layers
 
 Per step, the scheduler moves through explicit states (``Phase``):
 IDLE -> COMPUTE (worker running; gradients flowing to shards) -> REDUCE (global norm from
-the shards' squared norms) -> APPLY (shards update, in forward order, overlapping the next
+the per-unit squared norms the worker took on the GPU) -> APPLY (shards update, in forward order, overlapping the next
 step's COMPUTE) -> IDLE. With clipping off there is no REDUCE wait: shards update each unit
 as its gradient lands.
 
@@ -40,8 +40,10 @@ class Phase(enum.Enum):
     FAILED = "failed"
 
 
-def shard_ranges(num_units: int, num_shards: int) -> list[list[int]]:
-    """Contiguous, as-even-as-possible split of unit indices among shards."""
+def shard_ranges(num_units: int, num_shards: int, layout: str = "contiguous") -> list[list[int]]:
+    """Split unit indices among shards: contiguous, as-even-as-possible ranges, or interleaved."""
+    if layout == "interleaved":
+        return [list(range(k, num_units, num_shards)) for k in range(num_shards)]
     base, extra = divmod(num_units, num_shards)
     out, start = [], 0
     for k in range(num_shards):
@@ -77,7 +79,7 @@ class Scheduler:
 
     def attach(self, worker, shards, shard_names: list[str]) -> None:
         self.worker, self.shards, self.shard_names = worker, list(shards), list(shard_names)
-        for k, units in enumerate(shard_ranges(self.h.num_units, len(shards))):
+        for k, units in enumerate(shard_ranges(self.h.num_units, len(shards), self.cfg.optim.shard_layout)):
             for u in units:
                 self.owner[u] = k
 
@@ -123,25 +125,21 @@ class Scheduler:
         prev = self._pending
         ref = self.worker.run_step.remote(step, tokens)
         res = await self._await_all(("worker", ref), lambda: prev + self._grads.get(step, []))
-        self._pending = []
         # Every gradient of the step has been announced; wait until all reached the shards.
         self._expected[step] = res["grads_sent"]
         if len(self._grads.get(step, [])) == res["grads_sent"]:
             self._arrived[step].set()
         await asyncio.wait_for(self._arrived[step].wait(), timeout=self.cfg.worker.wait_timeout_s)
         self.phase = Phase.REDUCE
-        t_reduce = time.perf_counter()
-        sq = 0.0
-        for label, r in self._grads.pop(step):
-            sq += await self._await_all((label, r), lambda: [])
-        reduce_wait_s = time.perf_counter() - t_reduce
-        norm = math.sqrt(sq)
+        # on_grad calls are watched for failure during the next step, with the applies.
+        self._pending = self._grads.pop(step)
+        norm = math.sqrt(sum(res["grad_sqnorms"]))
         finite = math.isfinite(norm) and math.isfinite(res["loss_sum"])
         coef = clip_coefficient(norm, self.cfg.optim.clip_grad_norm)
         if not self.apply_now:
             self.phase = Phase.APPLY
-            self._pending = [(n, s.apply.remote(step, coef, lr, not finite))
-                             for n, s in zip(self.shard_names, self.shards)]
+            self._pending += [(n, s.apply.remote(step, coef, lr, not finite))
+                              for n, s in zip(self.shard_names, self.shards)]
         for d in (self._lr, self._arrived, self._expected):
             d.pop(step, None)
         self.counters["steps"] += 1
@@ -154,9 +152,9 @@ class Scheduler:
             "clip_coef": coef, "skipped": not finite, "tokens": res["tokens"], "step_time_s": dt,
             "tokens_per_s": res["tokens"] / dt,
             "tflops": flops_per_step(self.cfg.model, tokens_per_step, self.cfg.train.seq_len) / dt / 1e12,
-            "reduce_wait_s": reduce_wait_s,
         }
-        metrics.update({f"worker/{k}": v for k, v in res.items() if k not in ("loss_sum", "tokens")})
+        metrics.update({f"worker/{k}": v for k, v in res.items()
+                        if k not in ("loss_sum", "tokens", "grad_sqnorms")})
         self.phase = Phase.APPLY if self._pending else Phase.IDLE
         return metrics
 

@@ -102,7 +102,7 @@ class TrainingSession:
             cfg, handles, self.device, self.actor_name("worker"), self.actor_name("scheduler"), NAMESPACE)
         self.actors["worker"] = worker
         shards, names = [], []
-        for k, units in enumerate(shard_ranges(handles.num_units, o.num_shards)):
+        for k, units in enumerate(shard_ranges(handles.num_units, o.num_shards, o.shard_layout)):
             name = self.actor_name(f"optimizer-{k}")
             shard = spawn(OptimizerShard, f"optimizer-{k}", num_cpus=o.threads_per_shard).remote(
                 cfg, handles, units, name)

@@ -144,8 +144,13 @@ class GpuWorker:
             flat = flat.detach().requires_grad_()
         return flat, bind(flat, self.units[u])
 
-    def _send_grad(self, u: int, step: int, g: torch.Tensor, timer: _Timer) -> Future:
-        """Copy unit u's flat fp32 gradient to shared memory, then tell the scheduler."""
+    def _send_grad(self, u: int, step: int, g: torch.Tensor, sqnorms: dict, timer: _Timer) -> Future:
+        """Copy unit u's flat fp32 gradient to shared memory, then tell the scheduler.
+
+        The gradient's squared norm is taken where the gradient is (on the GPU), so the
+        global norm for clipping is known the moment the backward ends.
+        """
+        sqnorms[u] = torch.linalg.vector_norm(g).square()
         ev = None
         if self.cuda:
             ev = torch.cuda.Event()
@@ -156,14 +161,15 @@ class GpuWorker:
             timer.add("wait_grad_free_s", self.buf.wait(
                 lambda: self.buf.grad_state(u) == 0, f"gradient region of {self.units[u].name}",
                 self.cfg.worker.wait_timeout_s))
-            t0 = time.perf_counter()
             dst = self.buf.grad(u)
             if self.cuda:
+                ev.synchronize()                    # the backward of unit u has finished
+                t0 = time.perf_counter()
                 with torch.cuda.stream(self.out_stream):
-                    self.out_stream.wait_event(ev)
                     dst.copy_(g, non_blocking=True)
                 self.out_stream.synchronize()
             else:
+                t0 = time.perf_counter()
                 dst.copy_(g)
             timer.add("copy_out_s", time.perf_counter() - t0)
             self.buf.set_grad_state(u, 1)
@@ -196,6 +202,7 @@ class GpuWorker:
         inv_n = 1.0 / max(n_tokens, 1)
         U, L = len(self.units), self.L
         sends: list[Future] = []
+        sqnorms: dict[int, torch.Tensor] = {}
 
         # ---- forward: embedding, blocks, saving each block's input
         t0 = time.perf_counter()
@@ -248,7 +255,7 @@ class GpuWorker:
                 loss_sum += loss.detach().double()
             dys[m] = dx.view(b, s, hdim)
         self._release(U - 1)
-        sends.append(self._send_grad(U - 1, step, g_head, timer))
+        sends.append(self._send_grad(U - 1, step, g_head, sqnorms, timer))
         timer.add("head_s", time.perf_counter() - t0)
 
         # ---- backward through the blocks, recomputing each from its saved input
@@ -269,7 +276,7 @@ class GpuWorker:
                 g += gw
                 dys[m] = gx
             self._release(u)
-            sends.append(self._send_grad(u, step, g, timer))
+            sends.append(self._send_grad(u, step, g, sqnorms, timer))
         # ---- the embedding: its lookup gradient (plus the tied head's contribution)
         emb_flat, we = self._weights(0, grad=True)
         for m in range(M):
@@ -278,7 +285,7 @@ class GpuWorker:
                 (gw,) = torch.autograd.grad(y, [emb_flat], grad_outputs=dys[m])
             g_embed += gw
         self._release(0)
-        sends.append(self._send_grad(0, step, g_embed, timer))
+        sends.append(self._send_grad(0, step, g_embed, sqnorms, timer))
         timer.add("backward_s", time.perf_counter() - t0)
 
         loss_total = float(loss_sum)
@@ -288,7 +295,8 @@ class GpuWorker:
         for f in sends:
             f.result()
         timer.add("drain_copy_out_s", time.perf_counter() - t0)
-        out = {"loss_sum": loss_total, "tokens": n_tokens, "grads_sent": len(sends),
+        sq = torch.stack([sqnorms[u] for u in range(U)]).double().cpu().tolist()
+        out = {"loss_sum": loss_total, "tokens": n_tokens, "grads_sent": len(sends), "grad_sqnorms": sq,
                "worker_s": time.perf_counter() - t_start}
         out.update(timer.t)
         if self.cuda:

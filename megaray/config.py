@@ -201,6 +201,9 @@ class OptimConfig:
     """Optimizer actors; the layer units are split into this many contiguous ranges."""
     threads_per_shard: int = 1
     """torch threads in each optimizer actor (also its Ray num_cpus)."""
+    shard_layout: str = "contiguous"
+    """How units are split among shards: 'contiguous' ranges, or 'interleaved' (unit u to
+    shard u mod N), which lets the next step's forward wait less for the first layers."""
 
     def __post_init__(self):
         if not self.lr > 0:
@@ -223,6 +226,8 @@ class OptimConfig:
             raise ConfigError("optim.num_shards", "must be >= 1")
         if self.threads_per_shard < 1:
             raise ConfigError("optim.threads_per_shard", "must be >= 1")
+        if self.shard_layout not in ("contiguous", "interleaved"):
+            raise ConfigError("optim.shard_layout", f"must be contiguous or interleaved (got {self.shard_layout!r})")
 
 
 @dataclass(kw_only=True)

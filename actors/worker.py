@@ -13,8 +13,10 @@ buffer (after waiting for ``version[i+1] == step``). On CUDA the copies run on t
 stream from pinned (cudaHostRegister'ed) shared memory and compute waits on events; on the
 CPU the same thread schedule runs with plain copies, so CI exercises the same ordering.
 
-Backward recomputes each block from its saved input (the only activations kept are block
-inputs), accumulates the unit's flat fp32 gradient over micro-batches, and hands it to a
+Backward recomputes each block from its saved input, except the last K blocks, whose
+internals (and a private device copy of their weights) stay resident from the forward:
+K is ``worker.keep_activations`` or, when unset, what free GPU memory holds
+(``megaray.memory``). Backward accumulates the unit's flat fp32 gradient over micro-batches, and hands it to a
 copy-out thread that writes it to the unit's shared gradient region and notifies the
 scheduler. The loss is a token-sum computed in chunks and scaled by 1/(tokens in the step),
 so accumulation over micro-batches equals one big batch exactly.
@@ -31,6 +33,7 @@ import torch
 from megaray.buffers import DTYPES, Handles, RunBuffers
 from megaray.config import RunConfig
 from megaray.errors import ActorFailure, InjectedFault, RunAborted
+from megaray.memory import keep_blocks
 from megaray.model import IGNORE_INDEX, bind, block_forward, embed_forward, head_loss_sum, rope_tables
 
 
@@ -69,6 +72,8 @@ class GpuWorker:
         self.slot_unit = {k: -1 for k in self.slots}        # which unit a slot holds now
         self.slot_free = {k: None for k in self.slots}      # CUDA event: last compute that read it
         self.rope = rope_tables(self.mcfg, self.mcfg.max_position_embeddings, self.device, torch.float32)
+        self._auto_keep: int | None = None
+        self._kept_bufs: list[torch.Tensor] = []
         self.copy_in = ThreadPoolExecutor(1, thread_name_prefix="copy-in")
         self.copy_out = ThreadPoolExecutor(1, thread_name_prefix="copy-out")
 
@@ -87,6 +92,26 @@ class GpuWorker:
         if self._scheduler is None:
             self._scheduler = ray.get_actor(self._scheduler_name, namespace=self._namespace)
         return self._scheduler
+
+    def _keep_count(self, tokens_per_step: int) -> int:
+        """Blocks whose activations stay resident: the config's number, or what fits."""
+        k = self.cfg.worker.keep_activations
+        if k is not None:
+            return min(k, self.L)
+        if not self.cuda:
+            return 0
+        if self._auto_keep is None:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            # Room for the saved block inputs, gradients, the loss chunks and the allocator.
+            inputs = (self.L + 1) * tokens_per_step * self.mcfg.hidden_size * self.dtype.itemsize
+            reserve = int(0.1 * free) + 2 * inputs + 6 * 2**30
+            self._auto_keep = keep_blocks(self.mcfg, tokens_per_step, self.dtype.itemsize, free, reserve)
+        return self._auto_keep
+
+    def _kept_buffer(self, k: int) -> torch.Tensor:
+        while len(self._kept_bufs) <= k:
+            self._kept_bufs.append(torch.empty(self.units[1].numel, dtype=self.dtype, device=self.device))
+        return self._kept_bufs[k]
 
     def _slot_name(self, u: int) -> str:
         kind = self.units[u].kind
@@ -210,24 +235,43 @@ class GpuWorker:
         self._ready(nxt, timer)
         nxt = self._stage(1, step, timer) if L else self._stage(U - 1, step, timer)
         acts: list[list[torch.Tensor]] = [[None] * M for _ in range(L + 1)]
+        keep_from = L - self._keep_count(M * inputs[0].numel())
+        kept: dict[int, tuple] = {}     # block -> (flat leaf, [(x, y) per micro-batch])
         with torch.no_grad():
             _, we = self._weights(0, grad=False)
             for m in range(M):
                 acts[0][m] = embed_forward(we, inputs[m])
-            for i in range(L):
-                u = i + 1
-                self._ready(nxt, timer)
-                nxt = self._stage(u + 1, step, timer)       # next block, or the head
-                _, w = self._weights(u, grad=False)
-                for m in range(M):
-                    acts[i + 1][m] = block_forward(w, acts[i][m], self.rope, self.mcfg)
-                self._release(u)
+        for i in range(L):
+            u = i + 1
+            self._ready(nxt, timer)
+            nxt = self._stage(u + 1, step, timer)           # next block, or the head
+            if i < keep_from:
+                with torch.no_grad():
+                    _, w = self._weights(u, grad=False)
+                    for m in range(M):
+                        acts[i + 1][m] = block_forward(w, acts[i][m], self.rope, self.mcfg)
+            else:
+                # Keep this block's internals (and a private copy of its weights, since
+                # the slot is refilled) so its backward needs no recomputation.
+                buf = self._kept_buffer(i - keep_from)
+                buf.copy_(self.slots[self._slot_name(u)][: self.units[u].numel])
+                flat = buf.detach().requires_grad_()
+                w = bind(flat, self.units[u])
+                pairs = []
+                with torch.enable_grad():
+                    for m in range(M):
+                        x = acts[i][m].detach().requires_grad_()
+                        y = block_forward(w, x, self.rope, self.mcfg)
+                        pairs.append((x, y))
+                        acts[i + 1][m] = y.detach()
+                kept[i] = (flat, pairs)
+            self._release(u)
         timer.add("forward_s", time.perf_counter() - t0)
 
         # ---- head: chunked loss, its gradient, and the gradient into the last block's output
         t0 = time.perf_counter()
         self._ready(nxt, timer)
-        if L:
+        if L and L - 1 < keep_from:
             nxt = self._stage(L, step, timer)               # the last block, still resident
         head_flat, wh = self._weights(U - 1, grad=True)
         tied = self.mcfg.tie_word_embeddings
@@ -262,20 +306,31 @@ class GpuWorker:
         t0 = time.perf_counter()
         for i in reversed(range(L)):
             u = i + 1
-            self._ready(nxt, timer)
-            if i > 0:
-                nxt = self._stage(u - 1, step, timer)
-            flat, w = self._weights(u, grad=True)
             g = torch.zeros(self.units[u].numel, dtype=torch.float32, device=self.device)
-            for m in range(M):
-                x = acts[i][m].detach().requires_grad_()
-                acts[i][m] = None
-                with torch.enable_grad():
-                    y = block_forward(w, x, self.rope, self.mcfg)
+            if i in kept:
+                flat, pairs = kept.pop(i)
+                if i - 1 == keep_from - 1 and i > 0:
+                    nxt = self._stage(u - 1, step, timer)   # first recomputed block below
+                for m, (x, y) in enumerate(pairs):
                     gw, gx = torch.autograd.grad(y, [flat, x], grad_outputs=dys[m])
-                g += gw
-                dys[m] = gx
-            self._release(u)
+                    g += gw
+                    dys[m] = gx
+                    acts[i][m] = None
+                del pairs, flat
+            else:
+                self._ready(nxt, timer)
+                if i > 0:
+                    nxt = self._stage(u - 1, step, timer)
+                flat, w = self._weights(u, grad=True)
+                for m in range(M):
+                    x = acts[i][m].detach().requires_grad_()
+                    acts[i][m] = None
+                    with torch.enable_grad():
+                        y = block_forward(w, x, self.rope, self.mcfg)
+                        gw, gx = torch.autograd.grad(y, [flat, x], grad_outputs=dys[m])
+                    g += gw
+                    dys[m] = gx
+                self._release(u)
             sends.append(self._send_grad(u, step, g, sqnorms, timer))
         # ---- the embedding: its lookup gradient (plus the tied head's contribution)
         emb_flat, we = self._weights(0, grad=True)
@@ -297,6 +352,7 @@ class GpuWorker:
         timer.add("drain_copy_out_s", time.perf_counter() - t0)
         sq = torch.stack([sqnorms[u] for u in range(U)]).double().cpu().tolist()
         out = {"loss_sum": loss_total, "tokens": n_tokens, "grads_sent": len(sends), "grad_sqnorms": sq,
+               "kept_blocks": L - keep_from,
                "worker_s": time.perf_counter() - t_start}
         out.update(timer.t)
         if self.cuda:

@@ -236,6 +236,9 @@ class WorkerConfig:
     """'auto' (CUDA when present), 'cuda' or 'cpu'."""
     threads: int = 1
     """torch threads of the worker (and its Ray num_cpus) when it computes on the CPU."""
+    keep_activations: int | None = None
+    """Blocks (the last ones) whose activations stay on the device instead of being
+    recomputed in backward; null: as many as fit in free GPU memory (0 on the CPU)."""
     wait_timeout_s: float = 600.0
     """Longest wait for an optimizer update or a free gradient buffer before the run fails."""
 
@@ -244,6 +247,8 @@ class WorkerConfig:
             raise ConfigError("worker.device", f"must be auto, cuda or cpu (got {self.device!r})")
         if self.threads < 1:
             raise ConfigError("worker.threads", "must be >= 1")
+        if self.keep_activations is not None and self.keep_activations < 0:
+            raise ConfigError("worker.keep_activations", "must be >= 0 or null")
         if self.wait_timeout_s <= 0:
             raise ConfigError("worker.wait_timeout_s", "must be > 0")
 

@@ -31,7 +31,7 @@ def ref_lr(step: int) -> float:
     return MIN_LR + 0.5 * (LR - MIN_LR) * (1 + math.cos(math.pi * p))
 
 
-def run_pair(model_overrides: dict, clip: float):
+def run_pair(model_overrides: dict, clip: float, keep: int):
     model = {"shape": "debug", **model_overrides}
     cfg = build_config({
         "model": model,
@@ -40,6 +40,7 @@ def run_pair(model_overrides: dict, clip: float):
         "optim": {"lr": LR, "min_lr": MIN_LR, "warmup_steps": WARMUP, "schedule": "cosine",
                   "weight_decay": 0.1, "clip_grad_norm": clip, "num_shards": 2, "betas": [0.9, 0.95]},
         "data": {"max_bytes": 20000},
+        "worker": {"keep_activations": keep},
     })
     c = {k: getattr(cfg.model, k) for k in ("vocab_size", "hidden_size", "intermediate_size",
                                              "num_hidden_layers", "num_attention_heads",
@@ -48,13 +49,14 @@ def run_pair(model_overrides: dict, clip: float):
     rng = np.random.default_rng(7)
     batches = [rng.integers(0, c["vocab_size"], size=(3, 2, 17)) for _ in range(STEPS)]
 
-    ours_losses, coefs = [], []
+    ours_losses, coefs, kept = [], [], set()
     with TrainingSession(cfg) as s:
         init = s.state_dict()
         for step in range(STEPS):
             m = s.train_step(step, batches[step])
             ours_losses.append(m["loss"])
             coefs.append(m["clip_coef"])
+            kept.add(m["worker/kept_blocks"])
         final = s.state_dict()
 
     ref = RefLlama(c)
@@ -76,15 +78,17 @@ def run_pair(model_overrides: dict, clip: float):
         opt.step()
         ref_losses.append(loss.item())
     ref_final = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+    assert kept == {keep}, kept
     return ours_losses, ref_losses, coefs, init, final, ref_final
 
 
-@pytest.mark.parametrize("overrides", [
-    {},                                                             # Llama, tied embeddings
-    {"tie_word_embeddings": False, "attention_bias": True, "qk_norm": True},   # untied, Qwen2/3 features
-], ids=["llama-tied", "untied-bias-qknorm"])
-def test_training_matches_reference(ray_cluster, overrides):
-    ours, ref, coefs, init, final, ref_final = run_pair(overrides, clip=0.5)
+@pytest.mark.parametrize("overrides, keep", [
+    ({}, 0),                                                        # Llama, tied, all recomputed
+    ({}, 1),                                                        # the last block kept resident
+    ({"tie_word_embeddings": False, "attention_bias": True, "qk_norm": True}, 2),   # Qwen2/3 features
+], ids=["llama-tied-recompute", "llama-tied-keep1", "untied-bias-qknorm-keepall"])
+def test_training_matches_reference(ray_cluster, overrides, keep):
+    ours, ref, coefs, init, final, ref_final = run_pair(overrides, clip=0.5, keep=keep)
     assert min(coefs) < 0.9, f"clipping never clipped: {coefs}"
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
     assert loss_err < 1e-5, (ours, ref)
@@ -96,7 +100,7 @@ def test_training_matches_reference(ray_cluster, overrides):
         diff = (final[k] - ref_final[k]).astype(np.float64)
         weight_err = max(weight_err, np.linalg.norm(diff) / np.linalg.norm(ref_final[k]))
         elem_err = max(elem_err, np.abs(diff).max())
-    print(f"parity {overrides}: max loss rel err {loss_err:.2e}, max weight rel err (per-tensor norm) "
+    print(f"parity {overrides} keep={keep}: max loss rel err {loss_err:.2e}, max weight rel err (per-tensor norm) "
           f"{weight_err:.2e}, largest element difference {elem_err:.2e} (lr {LR})")
     assert weight_err < 1e-5
     # Adam turns rounding-level gradients into lr-sized steps; no element may be off by

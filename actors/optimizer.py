@@ -26,6 +26,8 @@ from megaray.buffers import Handles, RunBuffers
 from megaray.config import RunConfig
 from megaray.errors import ActorFailure, InjectedFault
 
+from .metrics import RunMetrics
+
 
 class OptimizerShard:
     def __init__(self, cfg: RunConfig, handles: Handles, units: list[int], name: str):
@@ -48,6 +50,10 @@ class OptimizerShard:
             self.opts[u] = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=True)
         self.pending: list[int] = []
         self.busy_s = 0.0
+        self._step, self._step_s, self._step_params = -1, 0.0, 0
+        self.metrics = RunMetrics(handles.run_id, name.rsplit(":", 1)[-1], {
+            "optimizer_seconds": "Time this optimizer shard spent updating in its last step",
+            "optimizer_params_per_second": "This shard's AdamW update rate in its last step"})
 
     def _fault(self, step: int) -> None:
         d = self.cfg.debug
@@ -82,7 +88,18 @@ class OptimizerShard:
         finally:
             self.busy_s += time.perf_counter() - t0
 
+    def _account(self, step: int, seconds: float, params: int) -> None:
+        """Per-step busy time, published to the metrics when the next step begins."""
+        if step != self._step:
+            if self._step >= 0 and self._step_s > 0:
+                self.metrics.set(optimizer_seconds=self._step_s,
+                                 optimizer_params_per_second=self._step_params / self._step_s)
+            self._step, self._step_s, self._step_params = step, 0.0, 0
+        self._step_s += seconds
+        self._step_params += params
+
     def _update(self, step: int, u: int, coef: float, lr: float, skip: bool) -> None:
+        t0 = time.perf_counter()
         if not skip:
             grad = self.buf.grad(u)
             opt = self.opts[u]
@@ -99,6 +116,7 @@ class OptimizerShard:
                 self.buf.compute(u).copy_(self.buf.master(u))
         self.buf.set_version(u, step + 1)
         self.buf.set_grad_state(u, 0)
+        self._account(step, time.perf_counter() - t0, 0 if skip else self.h.units[u].numel)
 
     def stats(self) -> dict:
         return {"busy_s": self.busy_s, "units": self.units}

@@ -31,6 +31,8 @@ from megaray.errors import ActorFailure
 from megaray.model import flops_per_step
 from megaray.schedule import lr_at
 
+from .metrics import STEP_GAUGES, RunMetrics, host_memory_used_bytes
+
 
 class Phase(enum.Enum):
     IDLE = "idle"
@@ -76,6 +78,9 @@ class Scheduler:
         self._expected: dict[int, int] = {}
         self._lr: dict[int, float] = {}
         self.counters = {"steps": 0, "tokens": 0, "skipped_steps": 0, "grads_routed": 0}
+        self.metrics = RunMetrics(handles.run_id, "scheduler", STEP_GAUGES, {
+            "steps_total": "Training steps completed", "tokens_total": "Training tokens processed",
+            "skipped_steps_total": "Steps skipped for a non-finite loss or gradient"})
 
     def attach(self, worker, shards, shard_names: list[str]) -> None:
         self.worker, self.shards, self.shard_names = worker, list(shards), list(shard_names)
@@ -155,6 +160,20 @@ class Scheduler:
         }
         metrics.update({f"worker/{k}": v for k, v in res.items()
                         if k not in ("loss_sum", "tokens", "grad_sqnorms")})
+        metrics.update({
+            "copy_in_gbps": res.get("copy_in_bytes", 0) / max(res.get("copy_in_s", 0), 1e-9) / 1e9,
+            "copy_out_gbps": res.get("copy_out_bytes", 0) / max(res.get("copy_out_s", 0), 1e-9) / 1e9,
+            "exposed_optimizer_s": res.get("wait_optimizer_s", 0.0),
+            "host_memory_used_bytes": host_memory_used_bytes(),
+            "gpu_memory_peak_bytes": res.get("gpu_peak_bytes", 0),
+        })
+        self.metrics.set(step_time_seconds=dt, tokens_per_second=metrics["tokens_per_s"], tflops=metrics["tflops"],
+                         loss=metrics["loss"], grad_norm=norm if finite else -1.0, learning_rate=lr,
+                         copy_in_gbps=metrics["copy_in_gbps"], copy_out_gbps=metrics["copy_out_gbps"],
+                         exposed_optimizer_seconds=metrics["exposed_optimizer_s"],
+                         host_memory_used_bytes=metrics["host_memory_used_bytes"],
+                         gpu_memory_peak_bytes=metrics["gpu_memory_peak_bytes"])
+        self.metrics.inc(steps_total=1, tokens_total=res["tokens"], skipped_steps_total=0 if finite else 1)
         self.phase = Phase.APPLY if self._pending else Phase.IDLE
         return metrics
 

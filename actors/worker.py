@@ -73,6 +73,7 @@ class GpuWorker:
         self.slot_free = {k: None for k in self.slots}      # CUDA event: last compute that read it
         self.rope = rope_tables(self.mcfg, self.mcfg.max_position_embeddings, self.device, torch.float32)
         self._auto_keep: int | None = None
+        self._copy_events: list = []
         self._kept_bufs: list[torch.Tensor] = []
         self.copy_in = ThreadPoolExecutor(1, thread_name_prefix="copy-in")
         self.copy_out = ThreadPoolExecutor(1, thread_name_prefix="copy-out")
@@ -133,15 +134,18 @@ class GpuWorker:
                 lambda: self.buf.version(u) >= step, f"optimizer update of {self.units[u].name} for step {step}",
                 self.cfg.worker.wait_timeout_s))
             src, dst = self.buf.compute(u), self.slots[slot][: self.units[u].numel]
+            timer.add("copy_in_bytes", src.numel() * src.element_size())
             t0 = time.perf_counter()
             if self.cuda:
                 with torch.cuda.stream(self.copy_stream):
                     if free_ev is not None:
                         self.copy_stream.wait_event(free_ev)
+                    start = torch.cuda.Event(enable_timing=True)
+                    ev = torch.cuda.Event(enable_timing=True)
+                    start.record(self.copy_stream)
                     dst.copy_(src, non_blocking=True)
-                    ev = torch.cuda.Event()
                     ev.record(self.copy_stream)
-                timer.add("copy_in_issue_s", time.perf_counter() - t0)
+                self._copy_events.append((start, ev))
                 return ev
             dst.copy_(src)
             timer.add("copy_in_s", time.perf_counter() - t0)
@@ -197,6 +201,7 @@ class GpuWorker:
                 t0 = time.perf_counter()
                 dst.copy_(g)
             timer.add("copy_out_s", time.perf_counter() - t0)
+            timer.add("copy_out_bytes", g.numel() * g.element_size())
             self.buf.set_grad_state(u, 1)
             self.scheduler.grad_ready.remote(step, u)
 
@@ -220,6 +225,7 @@ class GpuWorker:
         t_start = time.perf_counter()
         timer = _Timer()
         self._slot_step = getattr(self, "_slot_step", {})
+        self._copy_events = []
         toks = torch.tensor(tokens, dtype=torch.int64).to(self.device, non_blocking=True)
         inputs, targets = toks[..., :-1], toks[..., 1:]
         M = inputs.shape[0]
@@ -350,6 +356,9 @@ class GpuWorker:
         for f in sends:
             f.result()
         timer.add("drain_copy_out_s", time.perf_counter() - t0)
+        if self.cuda:   # copy-in time on the copy stream, from its events
+            self.copy_stream.synchronize()
+            timer.add("copy_in_s", sum(a.elapsed_time(b) for a, b in self._copy_events) / 1e3)
         sq = torch.stack([sqnorms[u] for u in range(U)]).double().cpu().tolist()
         out = {"loss_sum": loss_total, "tokens": n_tokens, "grads_sent": len(sends), "grad_sqnorms": sq,
                "kept_blocks": L - keep_from,

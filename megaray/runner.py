@@ -23,6 +23,9 @@ from megaray.config import RunConfig, dump_config
 
 log = logging.getLogger("megaray")
 
+TB_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops", "copy_in_gbps",
+              "copy_out_gbps", "exposed_optimizer_s", "host_memory_used_bytes", "gpu_memory_peak_bytes")
+
 
 def connect_ray(cfg: RunConfig) -> bool:
     """Attach to the configured or RAY_ADDRESS cluster, else start a local one.
@@ -38,9 +41,19 @@ def connect_ray(cfg: RunConfig) -> bool:
         ray.init(address=address, namespace="megaray", log_to_driver=True)
         return True
     needed = cfg.optim.num_shards * cfg.optim.threads_per_shard + cfg.worker.threads
-    ray.init(num_cpus=cfg.cluster.num_cpus or max(needed, os.cpu_count() or 1),
+    ray.init(address="local", num_cpus=cfg.cluster.num_cpus or max(needed, os.cpu_count() or 1),
              object_store_memory=cfg.cluster.object_store_mb * 2**20, namespace="megaray")
     return True
+
+
+def dashboard_url() -> str:
+    try:
+        from ray._private.worker import get_dashboard_url
+
+        url = get_dashboard_url()
+        return f"http://{url}" if url and not url.startswith("http") else (url or "not running")
+    except Exception:
+        return "not available"
 
 
 def make_run_dir(cfg: RunConfig, run_id: str) -> Path:
@@ -111,7 +124,11 @@ def train(cfg: RunConfig, run_id: str | None = None) -> dict:
     run_dir = make_run_dir(cfg, run_id)
     setup_logging(run_dir)
     log.info("run directory %s", run_dir.resolve())
+    if "runtime_resources" in str(run_dir.resolve()):
+        log.warning("the run directory is inside this job's temporary working_dir copy, which Ray "
+                    "deletes; set run.dir to an absolute path to keep it")
     log.info("tensorboard --logdir %s", (run_dir / "tb").resolve())
+    log.info("Ray dashboard: %s (actors are named megaray:%s:<role>)", dashboard_url(), run_id)
     t_start = time.perf_counter()
     corpus = ByteCorpus(cfg.data)
     log.info("data: %d train / %d held-out byte tokens from the standard library",
@@ -132,7 +149,7 @@ def train(cfg: RunConfig, run_id: str | None = None) -> dict:
             losses.append(m["loss"])
             if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
                 progress.update(m)
-                for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops"):
+                for key in TB_SCALARS:
                     tb.add_scalar(f"train/{key}", m[key], step)
                 metrics_file.write(json.dumps(m) + "\n")
                 metrics_file.flush()

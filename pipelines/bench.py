@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     if started:
         import os
 
-        ray.init(num_cpus=os.cpu_count(), object_store_memory=512 * 2**20, include_dashboard=False)
+        ray.init(address="local", num_cpus=os.cpu_count(), object_store_memory=512 * 2**20, include_dashboard=False)
     try:
         r = bench(a.shape, a.seq, a.tokens, a.micro_batch, a.steps, a.shards, a.threads,
                   baseline=not a.no_baseline, extra=extra)

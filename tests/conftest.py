@@ -13,7 +13,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 def ray_cluster():
     import ray
 
-    ray.init(num_cpus=6, num_gpus=0, object_store_memory=128 * 2**20, include_dashboard=False,
+    ray.init(address="local", num_cpus=6, num_gpus=0, object_store_memory=128 * 2**20, include_dashboard=False,
              log_to_driver=False)
     yield ray
     ray.shutdown()

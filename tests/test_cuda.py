@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def gpu_ray():
     import ray
 
-    ray.init(num_cpus=8, num_gpus=1, object_store_memory=256 * 2**20, include_dashboard=False)
+    ray.init(address="local", num_cpus=8, num_gpus=1, object_store_memory=256 * 2**20, include_dashboard=False)
     yield
     ray.shutdown()
 

@@ -1,0 +1,120 @@
+"""megaray as a Ray job on a real head started with `ray start --head`.
+
+The module starts one head (dashboard, job server, Prometheus metrics export), submits the
+train pipeline with `ray job submit --working-dir`, scrapes the metrics endpoint while the
+job runs, reads `ray job logs`, and stops the head with `ray stop`.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RAY = str(Path(sys.executable).with_name("ray"))
+ENV = dict(os.environ, RAY_AUTH_MODE="disabled")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([RAY, *args], capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def head():
+    gcs, dash, metrics = _free_port(), _free_port(), _free_port()
+    p = _ray("start", "--head", f"--port={gcs}", f"--dashboard-port={dash}", f"--metrics-export-port={metrics}",
+             "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--num-cpus=6", "--num-gpus=0",
+             "--object-store-memory=200000000", "--disable-usage-stats", timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    try:
+        yield {"address": f"http://127.0.0.1:{dash}", "metrics": f"http://127.0.0.1:{metrics}/metrics"}
+    finally:
+        _ray("stop", "--force", timeout=120)
+
+
+def _submit(head, sid: str, *args: str) -> None:
+    p = _ray("job", "submit", "--address", head["address"], "--working-dir", str(ROOT), "--submission-id", sid,
+             "--no-wait", "--", "python", "-m", "megaray.pipelines.train", *args)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def _status(head, sid: str) -> str:
+    out = _ray("job", "status", sid, "--address", head["address"]).stdout + ""
+    m = re.findall(r"\b(PENDING|RUNNING|SUCCEEDED|FAILED|STOPPED|succeeded|failed|stopped)\b", out)
+    return m[-1].upper() if m else "UNKNOWN"
+
+
+def _wait(head, sid: str, timeout: float = 300) -> str:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        s = _status(head, sid)
+        if s in ("SUCCEEDED", "FAILED", "STOPPED"):
+            return s
+        time.sleep(2)
+    raise AssertionError(f"job {sid} still {s} after {timeout} s")
+
+
+def _scrape(url: str) -> dict[tuple[str, str, str], float]:
+    """{(metric, run, actor): value} for megaray's series."""
+    out = {}
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    for line in text.splitlines():
+        if not line.startswith("ray_megaray_"):
+            continue
+        name, rest = line.split("{", 1)
+        labels, value = rest.rsplit("}", 1)
+        tags = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        out[(name, tags.get("run", ""), tags.get("actor", ""))] = float(value)
+    return out
+
+
+def test_job_trains_and_exports_metrics(head, tmp_path):
+    _submit(head, "megaray-ok", "debug", "train.steps=400", f"run.dir={tmp_path}")
+    seen: dict = {}
+    t0 = time.time()
+    while time.time() - t0 < 240:
+        seen.update(_scrape(head["metrics"]))
+        names = {k[0] for k in seen}
+        if {"ray_megaray_loss", "ray_megaray_optimizer_seconds"} <= names or _status(head, "megaray-ok") != "RUNNING" \
+                and time.time() - t0 > 60:
+            break
+        time.sleep(2)
+    assert _wait(head, "megaray-ok") == "SUCCEEDED"
+    logs = _ray("job", "logs", "megaray-ok", "--address", head["address"]).stdout
+    assert "step 400/400" in logs and "finished; run directory" in logs
+    runs = {k[1] for k in seen}
+    assert len(runs) == 1 and next(iter(runs)).startswith("debug-")
+    v = {(k[0], k[2]): val for k, val in seen.items()}
+    assert 0 < v[("ray_megaray_loss", "scheduler")] < 6
+    assert v[("ray_megaray_step_time_seconds", "scheduler")] > 0
+    assert v[("ray_megaray_tokens_per_second", "scheduler")] > 0
+    assert 0 < v[("ray_megaray_learning_rate", "scheduler")] <= 1e-3
+    assert v[("ray_megaray_grad_norm", "scheduler")] > 0
+    assert v[("ray_megaray_copy_in_gbps", "scheduler")] > 0
+    assert v[("ray_megaray_host_memory_used_bytes", "scheduler")] > 2**20
+    assert v[("ray_megaray_steps_total", "scheduler")] >= 1
+    for shard in ("optimizer-0", "optimizer-1"):
+        assert v[("ray_megaray_optimizer_seconds", shard)] > 0
+        assert v[("ray_megaray_optimizer_params_per_second", shard)] > 0
+    (run_dir,) = list(tmp_path.iterdir())
+    assert (run_dir / "summary.json").is_file()
+
+
+def test_job_with_bad_config_fails_with_the_error_in_its_logs(head):
+    _submit(head, "megaray-bad", "debug", "optim.num_shards=99")
+    assert _wait(head, "megaray-bad", timeout=120) == "FAILED"
+    logs = _ray("job", "logs", "megaray-bad", "--address", head["address"]).stdout
+    assert "config key 'optim.num_shards'" in logs

@@ -18,13 +18,16 @@ Two modes, chosen by the scheduler:
 """
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import torch
 
 from megaray.buffers import Handles, RunBuffers
 from megaray.config import RunConfig
-from megaray.errors import ActorFailure, InjectedFault
+from megaray.checkpoint import crc32_file, verify_file
+from megaray.errors import ActorFailure, CheckpointError, InjectedFault
 
 from .metrics import RunMetrics
 
@@ -117,6 +120,36 @@ class OptimizerShard:
         self.buf.set_version(u, step + 1)
         self.buf.set_grad_state(u, 0)
         self._account(step, time.perf_counter() - t0, 0 if skip else self.h.units[u].numel)
+
+    def save(self, folder: str, k: int) -> dict:
+        """Write this shard's AdamW states (moments, step counts) by unit as ``optim-<k>.pt``."""
+        name = f"optim-{k}.pt"
+        path = Path(folder) / name
+        torch.save({"units": {u: self.opts[u].state_dict() for u in self.units}}, path)
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
+        crc, n = crc32_file(path)
+        return {name: {"bytes": n, "crc32": crc, "units": list(self.units)}}
+
+    def load(self, folder: str, parts: dict) -> None:
+        """Load the states of this shard's units from whichever parts hold them."""
+        need = set(self.units)
+        for name, part in parts.items():
+            mine = need & set(part.get("units", []))
+            if not name.startswith("optim-") or not mine:
+                continue
+            path = Path(folder) / name
+            verify_file(path, part)
+            try:
+                states = torch.load(path, map_location="cpu", weights_only=True)["units"]
+            except Exception as e:
+                raise CheckpointError(f"checkpoint part {path} cannot be read: {e}") from None
+            for u in mine:
+                self.opts[u].load_state_dict(states[u])
+            need -= mine
+        if need:
+            raise CheckpointError(f"{folder}: no optimizer state for units {sorted(need)}")
+        self.pending.clear()
 
     def stats(self) -> dict:
         return {"busy_s": self.busy_s, "units": self.units}

@@ -192,6 +192,10 @@ class Scheduler:
     def state(self) -> dict:
         return {"phase": self.phase.value, **self.counters}
 
+    def set_counters(self, counters: dict) -> None:
+        """Restore the counters of a resumed run."""
+        self.counters.update({k: counters[k] for k in self.counters if k in counters})
+
 
 def _as_failure(label: str, exc: BaseException) -> ActorFailure:
     cause = getattr(exc, "cause", None) or exc

@@ -157,6 +157,44 @@ class TrainingSession:
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         ray.get(self.actors["store"].load_state_dict.remote(state))
 
+    def check_alive(self) -> None:
+        """Raise ActorFailure if the store died (the others fail inside the step that needs them)."""
+        try:
+            ray.get(self.actors["store"].ping.remote(), timeout=60)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            raise ActorFailure(self.actor_name("store"), f"actor died: {type(e).__name__}") from None
+
+    # ------------------------------------------------------------------ checkpoints
+    def _shards(self):
+        return [(int(k.split("-")[1]), a) for k, a in self.actors.items() if k.startswith("optimizer-")]
+
+    def save_parts(self, folder: str) -> dict:
+        """Every store and shard writes its own part of a checkpoint, in parallel."""
+        self.drain()
+        refs = [self.actors["store"].save.remote(folder)] + [a.save.remote(folder, k) for k, a in self._shards()]
+        parts: dict = {}
+        for p in self._call_all(refs):
+            parts.update(p)
+        return parts
+
+    def load_parts(self, folder: str, parts: dict, step: int, counters: dict) -> None:
+        refs = [self.actors["store"].load.remote(folder, parts, step)] + \
+            [a.load.remote(folder, parts) for _, a in self._shards()]
+        self._call_all(refs)
+        ray.get(self.actors["scheduler"].set_counters.remote(counters))
+
+    def counters(self) -> dict:
+        return ray.get(self.actors["scheduler"].state.remote())
+
+    def _call_all(self, refs) -> list:
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            raise (cause if isinstance(cause, MegarayError) else ActorFailure("checkpoint", str(cause))) from None
+        except ray.exceptions.RayActorError as e:
+            raise ActorFailure("checkpoint", f"actor died: {e}") from None
+
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
         """Abort waits, kill every actor, free the placement group and the shared memory."""

@@ -10,7 +10,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pathlib import Path
+
 from megaray.buffers import Handles, RunBuffers
+from megaray.checkpoint import read_into, write_bytes
+from megaray.errors import CheckpointError
 from megaray.config import RunConfig
 from megaray.model import build_layout, init_unit
 from megaray.shm import remove_run
@@ -49,6 +53,26 @@ class ParameterStore:
                         raise ValueError(f"{s.name}: shape {tuple(t.shape)}, expected {s.shape}")
                     flat[s.offset:s.offset + s.numel].copy_(t.reshape(-1))
             self._sync_compute(u.index)
+
+    def save(self, folder: str) -> dict:
+        """Write the fp32 master weights of every unit as ``master.bin``; returns its part entry."""
+        data = memoryview(self.buf.files["master"].bytes.numpy())[: self.h.master_bytes]
+        return {"master.bin": write_bytes(Path(folder) / "master.bin", data)}
+
+    def load(self, folder: str, parts: dict, step: int) -> None:
+        """Read ``master.bin`` (verifying its checksum), refresh the compute copy, and mark
+        every unit as updated through ``step`` steps so the worker may read it for ``step``."""
+        if "master.bin" not in parts:
+            raise CheckpointError(f"{folder}: the manifest lists no master.bin")
+        out = memoryview(self.buf.files["master"].bytes.numpy())[: self.h.master_bytes]
+        read_into(Path(folder) / "master.bin", out, parts["master.bin"])
+        for u in self.h.units:
+            self._sync_compute(u.index)
+            self.buf.set_version(u.index, step)
+            self.buf.set_grad_state(u.index, 0)
+
+    def ping(self) -> bool:
+        return True
 
     def close(self) -> list[str]:
         return remove_run(self.h.shm_dir, self.h.run_id)

@@ -231,6 +231,8 @@ class GpuWorker:
         M = inputs.shape[0]
         n_tokens = int((targets != IGNORE_INDEX).sum())
         inv_n = 1.0 / max(n_tokens, 1)
+        if step in self.cfg.debug.nonfinite_steps:       # tests of step skipping
+            inv_n = float("nan")
         U, L = len(self.units), self.L
         sends: list[Future] = []
         sqnorms: dict[int, torch.Tensor] = {}
@@ -302,7 +304,7 @@ class GpuWorker:
                 dx[c:c + chunk] = grads[1]
                 if tied:
                     g_embed += grads[2]
-                loss_sum += loss.detach().double()
+                loss_sum += loss.detach().double() * (1.0 if inv_n == inv_n else float("nan"))
             dys[m] = dx.view(b, s, hdim)
         self._release(U - 1)
         sends.append(self._send_grad(U - 1, step, g_head, sqnorms, timer))

@@ -162,11 +162,15 @@ class TrainConfig:
     """Steps between held-out evaluations (0: only at the end)."""
     eval_batches: int = 4
     """Micro-batches in one evaluation."""
+    max_skipped_steps: int = 5
+    """Consecutive steps with a non-finite loss or gradient after which the run stops."""
 
     def __post_init__(self):
         for key in ("steps", "micro_batch_size", "grad_accum", "seq_len", "loss_chunk_tokens", "log_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}", f"must be >= 1 (got {getattr(self, key)})")
+        if self.max_skipped_steps < 1:
+            raise ConfigError("train.max_skipped_steps", "must be >= 1")
         if self.eval_every < 0 or self.eval_batches < 0:
             raise ConfigError("train.eval_every", "must be >= 0")
         if self.compute_dtype not in _DTYPES:
@@ -266,11 +270,39 @@ class ClusterConfig:
 
 
 @dataclass(kw_only=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Folder of this run's checkpoints; null: ``<run.dir>/checkpoints/<run.name>``, shared by
+    every launch of the same run name, so ``resume: auto`` finds them."""
+    every: int = 0
+    """Steps between periodic checkpoints (0: none); a final checkpoint is always written."""
+    keep: int = 3
+    """Complete checkpoints to keep; older ones are deleted once a newer one is complete."""
+    resume: str | None = "auto"
+    """'auto': continue from the newest complete checkpoint if there is one; null: start
+    fresh; or the path of one checkpoint folder."""
+    on_sigterm: bool = True
+    """On SIGTERM (``ray job stop``) write a checkpoint after the current step, then exit."""
+    max_restarts: int = 2
+    """Times a run restarts its actors from the last checkpoint after an actor dies."""
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise ConfigError("checkpoint.every", "must be >= 0")
+        if self.keep < 1:
+            raise ConfigError("checkpoint.keep", "must be >= 1")
+        if self.max_restarts < 0:
+            raise ConfigError("checkpoint.max_restarts", "must be >= 0")
+
+
+@dataclass(kw_only=True)
 class DebugConfig:
     crash_actor: str | None = None
     """Inject a failure in this actor kind (optimizer, worker) ... (tests only)."""
     crash_step: int | None = None
     """... at this step."""
+    nonfinite_steps: list = field(default_factory=list)
+    """Steps whose loss and gradients the worker makes NaN (tests of step skipping)."""
 
     def __post_init__(self):
         if self.crash_actor not in (None, "optimizer", "worker"):
@@ -288,6 +320,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def __post_init__(self):
@@ -308,6 +341,12 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        if self.checkpoint.dir:
+            return Path(self.checkpoint.dir)
+        return Path(self.run.dir) / "checkpoints" / self.run.name
 
 
 _SECTIONS = {f.name: f for f in dataclasses.fields(RunConfig)}

@@ -44,6 +44,18 @@ class ActorFailure(MegarayError, RuntimeError):
         return (type(self), (self.actor, self.message, self.step))
 
 
+class CheckpointError(MegarayError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the part."""
+
+
+class TrainingDiverged(MegarayError, RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient (train.max_skipped_steps)."""
+
+
+class RunStopped(MegarayError):
+    """The run was stopped by a signal (SIGTERM, ``ray job stop``) after a clean shutdown."""
+
+
 class RunAborted(MegarayError, RuntimeError):
     """Raised in an actor that was waiting on shared memory when the run was aborted."""
 

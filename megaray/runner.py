@@ -12,14 +12,19 @@ leaves a run directory a person can read:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 from megaray.config import RunConfig, dump_config
+from megaray.errors import ActorFailure, CheckpointError, RunStopped, TrainingDiverged
 
 log = logging.getLogger("megaray")
 
@@ -87,15 +92,15 @@ def _fmt_time(s: float) -> str:
 class Progress:
     """A progress bar on a terminal; one plain log line per logged step otherwise."""
 
-    def __init__(self, total: int, tty: bool | None = None):
-        self.total = total
+    def __init__(self, total: int, tty: bool | None = None, start: int = 0):
+        self.total, self.start = total, start
         self.tty = sys.stderr.isatty() if tty is None else tty
         self.t0 = time.perf_counter()
 
     def update(self, m: dict) -> None:
         done = m["step"] + 1
         elapsed = time.perf_counter() - self.t0
-        eta = elapsed / done * (self.total - done)
+        eta = elapsed / max(done - self.start, 1) * (self.total - done)
         text = (f"step {done}/{self.total} loss {m['loss']:.4f} lr {m['lr']:.2e} "
                 f"gnorm {m['grad_norm']:.3f} {m['tokens_per_s']:.0f} tok/s "
                 f"{m['step_time_s'] * 1000:.0f} ms/step eta {_fmt_time(eta)}")
@@ -113,11 +118,114 @@ class Progress:
             log.info(text)
 
 
-def train(cfg: RunConfig, run_id: str | None = None) -> dict:
-    """Run a whole training job; returns the summary written to summary.json."""
+class Checkpointer:
+    """Writes, finds and loads a run's checkpoints (``megaray.checkpoint`` has the format)."""
+
+    def __init__(self, cfg: RunConfig, run_id: str):
+        self.cfg, self.run_id = cfg, run_id
+        self.root = cfg.checkpoint_dir
+
+    def save(self, session, step: int, extra: dict) -> Path | None:
+        """Write a checkpoint of the state after ``step`` steps; on failure keep the old ones."""
+        from megaray import checkpoint as ck
+
+        t0 = time.perf_counter()
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = ck.tmp_dir(self.root, step)
+        try:
+            tmp.mkdir()
+            parts = session.save_parts(str(tmp))
+            trainer = {"next_step": step, "counters": session.counters(), "seed": self.cfg.run.seed,
+                       "lr_schedule": dataclasses.asdict(self.cfg.optim), "total_steps": self.cfg.train.steps,
+                       **extra}
+            parts["trainer.json"] = ck.write_bytes(tmp / "trainer.json", memoryview(json.dumps(trainer).encode()))
+            final = ck.commit(tmp, ck.step_dir(self.root, step), step, parts,
+                              {"run_id": self.run_id, "model": dataclasses.asdict(self.cfg.model)})
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.error("checkpoint at step %d failed (%s: %s); the previous checkpoint stays valid",
+                      step, type(e).__name__, e)
+            return None
+        ck.prune(self.root, self.cfg.checkpoint.keep)
+        size = sum(p["bytes"] for p in parts.values())
+        dt = time.perf_counter() - t0
+        log.info("checkpoint %s: %.1f MB in %.2f s (%.2f GB/s)", final, size / 1e6, dt, size / dt / 1e9)
+        return final
+
+    def candidates(self, resume: str | None) -> list[Path]:
+        from megaray.checkpoint import complete_checkpoints
+
+        if resume is None:
+            return []
+        if resume == "auto":
+            return complete_checkpoints(self.root)
+        return [Path(resume)]
+
+    def load(self, session, path: Path) -> tuple[int, dict]:
+        from megaray.checkpoint import read_manifest
+
+        t0 = time.perf_counter()
+        m = read_manifest(path)
+        if m.get("model") != dataclasses.asdict(self.cfg.model):
+            raise CheckpointError(f"{path} holds a different model than model: in this config")
+        trainer = json.loads((path / "trainer.json").read_text())
+        session.load_parts(str(path), m["parts"], m["step"], trainer["counters"])
+        size = sum(p["bytes"] for p in m["parts"].values())
+        dt = time.perf_counter() - t0
+        log.info("resumed from %s (step %d): %.1f MB in %.2f s (%.2f GB/s)", path, m["step"], size / 1e6, dt,
+                 size / dt / 1e9)
+        return m["step"], trainer
+
+
+def open_session(cfg: RunConfig, run_id: str, ckpt: Checkpointer, resume: str | None):
+    """Start the actors and load the newest loadable checkpoint; returns (session, step, trainer)."""
+    from megaray.actors.session import TrainingSession
+
+    session = TrainingSession(cfg, run_id).start()
+    explicit = resume not in (None, "auto")
+    for path in ckpt.candidates(resume):
+        try:
+            step, trainer = ckpt.load(session, path)
+            return session, step, trainer
+        except CheckpointError as e:
+            if explicit:
+                session.close()
+                raise
+            log.error("%s; trying the previous checkpoint", e)
+            session.close()           # a half-loaded state is discarded with its actors
+            session = TrainingSession(cfg, run_id).start()
+        except BaseException:
+            session.close()
+            raise
+    return session, 0, {}
+
+
+class _StopFlag:
+    """SIGTERM (``ray job stop``) sets a flag; the loop stops after the current step."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signal = signum
+        log.warning("received signal %d: stopping after the current step", signum)
+
+    def restore(self):
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+def train(cfg: RunConfig, run_id: str | None = None, on_step=None) -> dict:
+    """Run a whole training job; returns the summary written to summary.json.
+
+    ``on_step(step, session)`` (tests) is called after each completed step.
+    """
     from torch.utils.tensorboard import SummaryWriter
 
-    from megaray.actors.session import TrainingSession, new_run_id
+    from megaray.actors.session import new_run_id
     from megaray.data import ByteCorpus
 
     run_id = run_id or new_run_id(cfg.run.name)
@@ -137,50 +245,91 @@ def train(cfg: RunConfig, run_id: str | None = None) -> dict:
     tb.add_text("config", "```\n" + dump_config(cfg) + "\n```", 0)
     metrics_file = open(run_dir / "metrics.jsonl", "w")
     summary: dict = {"run_id": run_id, "run_dir": str(run_dir), "status": "failed"}
-    session = TrainingSession(cfg, run_id)
+    ckpt = Checkpointer(cfg, run_id)
+    stop = _StopFlag()
+    session = None
     try:
-        session.start()
-        log.info("model: %.2fM parameters, %d tokens per step, %d steps",
-                 cfg.model.num_params() / 1e6, cfg.train.tokens_per_step, cfg.train.steps)
-        progress = Progress(cfg.train.steps)
-        losses = []
-        for step in range(cfg.train.steps):
-            m = session.train_step(step, corpus.batch(step, cfg.train, cfg.run.seed))
+        session, step, trainer = open_session(cfg, run_id, ckpt, cfg.checkpoint.resume)
+        first_step = step
+        log.info("model: %.2fM parameters, %d tokens per step, steps %d..%d",
+                 cfg.model.num_params() / 1e6, cfg.train.tokens_per_step, step, cfg.train.steps)
+        progress = Progress(cfg.train.steps, start=step)
+        losses, restarts = [], 0
+        consecutive = trainer.get("consecutive_skipped", 0)
+        while step < cfg.train.steps:
+            try:
+                m = session.train_step(step, corpus.batch(step, cfg.train, cfg.run.seed))
+                session.check_alive()
+            except ActorFailure as e:
+                if restarts >= cfg.checkpoint.max_restarts:
+                    raise
+                restarts += 1
+                session.close()
+                session, resumed, trainer = open_session(cfg, run_id, ckpt, "auto")
+                consecutive = trainer.get("consecutive_skipped", 0)
+                log.warning("%s; restarted the run's actors (restart %d of %d) from %s; redoing %d steps",
+                            e, restarts, cfg.checkpoint.max_restarts,
+                            f"the checkpoint of step {resumed}" if resumed else "the initial weights",
+                            step - resumed)
+                summary.setdefault("restarts", []).append({"error": str(e), "at_step": step, "resumed_from": resumed})
+                step = resumed
+                continue
             losses.append(m["loss"])
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1:
+            consecutive = consecutive + 1 if m["skipped"] else 0
+            if m["skipped"]:
+                log.warning("step %d skipped: non-finite loss or gradient (%d in a row, limit %d)",
+                            step, consecutive, cfg.train.max_skipped_steps)
+                if consecutive >= cfg.train.max_skipped_steps:
+                    raise TrainingDiverged(f"{consecutive} consecutive steps with a non-finite loss or gradient "
+                                           f"(train.max_skipped_steps={cfg.train.max_skipped_steps}), last at step {step}")
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps - 1 or m["skipped"]:
                 progress.update(m)
                 for key in TB_SCALARS:
                     tb.add_scalar(f"train/{key}", m[key], step)
                 metrics_file.write(json.dumps(m) + "\n")
                 metrics_file.flush()
+            step += 1
+            if on_step is not None:
+                on_step(step, session)
             ev = cfg.train.eval_every
-            if ev and (step + 1) % ev == 0 and step + 1 < cfg.train.steps:
-                tb.add_scalar("eval/loss", _evaluate(session, corpus, cfg, step + 1), step)
+            if ev and step % ev == 0 and step < cfg.train.steps:
+                tb.add_scalar("eval/loss", _evaluate(session, corpus, cfg, step), step - 1)
+            if stop.signal is not None:
+                if cfg.checkpoint.on_sigterm:
+                    ckpt.save(session, step, {"consecutive_skipped": consecutive})
+                summary.update(status="stopped", stopped_at_step=step)
+                raise RunStopped(f"stopped by signal {stop.signal} after step {step}")
+            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
+                ckpt.save(session, step, {"consecutive_skipped": consecutive})
         eval_loss = _evaluate(session, corpus, cfg, cfg.train.steps)
         tb.add_scalar("eval/loss", eval_loss, cfg.train.steps - 1)
+        final = ckpt.save(session, cfg.train.steps, {"consecutive_skipped": consecutive})
         wall = time.perf_counter() - t_start
-        tail = losses[-min(10, len(losses)):]
+        tail = losses[-min(10, len(losses)):] or [float("nan")]
         summary.update({
-            "status": "succeeded", "steps": cfg.train.steps, "first_loss": losses[0],
-            "last_loss": sum(tail) / len(tail), "heldout_loss": eval_loss, "wall_time_s": wall,
-            "tokens_per_s": cfg.train.tokens_per_step * cfg.train.steps / wall,
+            "status": "succeeded", "steps": cfg.train.steps, "first_step": first_step,
+            "first_loss": losses[0] if losses else None, "last_loss": sum(tail) / len(tail),
+            "heldout_loss": eval_loss, "wall_time_s": wall, "checkpoint": str(final) if final else None,
+            "tokens_per_s": cfg.train.tokens_per_step * max(1, cfg.train.steps - first_step) / wall,
         })
-        log.info("done: loss %.4f -> %.4f (mean of last %d), held-out %.4f, %s",
-                 losses[0], summary["last_loss"], len(tail), eval_loss, _fmt_time(wall))
+        if losses:
+            log.info("done: loss %.4f -> %.4f (mean of last %d), held-out %.4f, %s",
+                     losses[0], summary["last_loss"], len(tail), eval_loss, _fmt_time(wall))
         return summary
     except BaseException as e:
         summary["error"] = f"{type(e).__name__}: {e}"
-        log.error("run failed: %s", summary["error"])
+        if summary["status"] != "stopped":
+            log.error("run failed: %s", summary["error"])
         raise
     finally:
-        session.close()
+        stop.restore()
+        if session is not None:
+            session.close()
         tb.close()
         metrics_file.close()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def _evaluate(session, corpus, cfg: RunConfig, step: int) -> float:
-    import dataclasses
-
     ev_train = dataclasses.replace(cfg.train, grad_accum=max(1, cfg.train.eval_batches))
     return session.evaluate(step, corpus.batch(0, ev_train, cfg.run.seed, split="heldout"))

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from megaray.config import load_config
-from megaray.errors import ConfigError, MegarayError
+from megaray.errors import ConfigError, MegarayError, RunStopped
 
 
 def build_parser(prog: str = "megaray train") -> argparse.ArgumentParser:
@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None, prog: str = "megaray train") -> int:
         summary = train(cfg)
         print(f"megaray: run {summary['run_id']} finished; run directory {summary['run_dir']}")
         return 0
+    except RunStopped as e:
+        print(f"megaray: {e}; actors stopped and shared memory freed", file=sys.stderr)
+        return 143
     except MegarayError as e:
         print(f"megaray: run failed: {e}", file=sys.stderr)
         return 1

@@ -109,7 +109,7 @@ def test_job_trains_and_exports_metrics(head, tmp_path):
     for shard in ("optimizer-0", "optimizer-1"):
         assert v[("ray_megaray_optimizer_seconds", shard)] > 0
         assert v[("ray_megaray_optimizer_params_per_second", shard)] > 0
-    (run_dir,) = list(tmp_path.iterdir())
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("debug-")]
     assert (run_dir / "summary.json").is_file()
 
 

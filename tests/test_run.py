@@ -106,5 +106,5 @@ def test_train_cli_runs_demo_in_a_fresh_process(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "finished; run directory" in p.stdout
     assert "step 3/3" in p.stderr
-    (run_dir,) = list(tmp_path.iterdir())
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("demo-")]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded"

@@ -1,0 +1,224 @@
+"""Checkpoints, exact resume and surviving failures, on a real local Ray cluster.
+
+Kills are real (ray.kill, os.kill); the full disk is a real 1 MB-scale tmpfs where the
+machine lets the test mount one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+
+from megaray.actors.session import NAMESPACE
+from megaray.checkpoint import complete_checkpoints, read_manifest
+from megaray.config import load_config
+from megaray.errors import CheckpointError, TrainingDiverged
+from megaray.runner import train
+from megaray.shm import PREFIX, remove_stale
+
+from conftest import shm_files
+
+BASE = ["train.steps=6", "train.log_every=1", "train.eval_batches=1", "data.max_bytes=50000"]
+
+
+def _cfg(tmp: Path, *extra: str):
+    return load_config("debug", [*BASE, f"run.dir={tmp}", *extra])
+
+
+def _losses(summary) -> dict[int, float]:
+    rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def _master(ckpt: Path) -> bytes:
+    return (ckpt / "master.bin").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def reference_run(ray_cluster, tmp_path_factory):
+    """Six uninterrupted steps; its final checkpoint holds the reference weights."""
+    tmp = tmp_path_factory.mktemp("ref")
+    s = train(_cfg(tmp, "checkpoint.resume=null"))
+    return s, _losses(s), Path(s["checkpoint"])
+
+
+def test_periodic_and_final_checkpoints_keep_the_last_n(ray_cluster, tmp_path):
+    s = train(_cfg(tmp_path, "checkpoint.every=2", "checkpoint.keep=2"))
+    ckpts = complete_checkpoints(tmp_path / "checkpoints" / "debug")
+    assert [p.name for p in ckpts] == ["step-00000006", "step-00000004"]
+    m = read_manifest(ckpts[0])
+    assert set(m["parts"]) == {"master.bin", "optim-0.pt", "optim-1.pt", "trainer.json"}
+    for name, part in m["parts"].items():                   # checksums, computed independently
+        data = (ckpts[0] / name).read_bytes()
+        assert len(data) == part["bytes"] and zlib.crc32(data) == part["crc32"]
+    assert sorted(m["parts"]["optim-0.pt"]["units"] + m["parts"]["optim-1.pt"]["units"]) == [0, 1, 2, 3]
+    assert json.loads((ckpts[0] / "trainer.json").read_text())["next_step"] == 6
+    assert not list((tmp_path / "checkpoints" / "debug").glob("*.tmp-*"))
+    assert s["checkpoint"] == str(ckpts[0])
+
+
+def test_resume_continues_bit_for_bit(reference_run, tmp_path):
+    _, ref_losses, ref_ckpt = reference_run
+
+    class Interrupt(Exception):
+        pass
+
+    def interrupt(step, session):
+        if step == 4:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        train(_cfg(tmp_path, "checkpoint.every=3"), on_step=interrupt)
+    s = train(_cfg(tmp_path))                                  # resume: auto
+    assert s["first_step"] == 3
+    resumed = _losses(s)
+    assert sorted(resumed) == [3, 4, 5]
+    for step, loss in resumed.items():
+        assert loss == ref_losses[step]                        # bit for bit
+    assert _master(Path(s["checkpoint"])) == _master(ref_ckpt)
+
+
+@pytest.mark.parametrize("role", ["optimizer-1", "store"])
+def test_killed_actor_restarts_from_last_checkpoint(reference_run, tmp_path, role, caplog):
+    _, ref_losses, ref_ckpt = reference_run
+    killed = []
+
+    def kill(step, session):
+        if step == 3 and not killed:
+            ray.kill(ray.get_actor(f"megaray:{session.run_id}:{role}", namespace=NAMESPACE), no_restart=True)
+            killed.append(step)
+
+    s = train(_cfg(tmp_path, "checkpoint.every=2", "checkpoint.resume=null"), on_step=kill)
+    assert killed == [3]
+    (restart,) = s["restarts"]
+    assert restart["resumed_from"] == 2 and role in restart["error"]
+    log = (Path(s["run_dir"]) / "train.log").read_text()
+    assert "restarted the run's actors" in log and "redoing" in log
+    assert _master(Path(s["checkpoint"])) == _master(ref_ckpt)   # nothing lost, nothing doubled
+    assert shm_files() == []
+
+
+def test_corrupt_or_incomplete_checkpoint_falls_back_to_the_previous(ray_cluster, tmp_path, caplog):
+    train(_cfg(tmp_path, "checkpoint.every=2", "checkpoint.keep=3"))
+    root = tmp_path / "checkpoints" / "debug"
+    newest, older = complete_checkpoints(root)[:2]
+    data = bytearray((newest / "master.bin").read_bytes())
+    data[100] ^= 0xFF
+    (newest / "master.bin").write_bytes(bytes(data))
+    s = train(_cfg(tmp_path, "train.steps=8"))
+    assert s["first_step"] == 4
+    assert "corrupt" in (Path(s["run_dir"]) / "train.log").read_text()
+    # a missing part in the newest (step 8): the one before (6, still corrupt), then 4
+    (complete_checkpoints(root)[0] / "optim-1.pt").unlink()
+    s = train(_cfg(tmp_path, "train.steps=9"))
+    assert s["first_step"] == 4
+    log = (Path(s["run_dir"]) / "train.log").read_text()
+    assert "step-00000008/optim-1.pt is missing" in log and "step-00000006/master.bin is corrupt" in log
+    # an explicit path to a bad checkpoint is refused, naming the part
+    with pytest.raises(CheckpointError, match="master.bin"):
+        train(_cfg(tmp_path, f"checkpoint.resume={newest}"))
+    assert shm_files() == []
+
+
+def test_full_disk_keeps_the_previous_checkpoint(ray_cluster, tmp_path):
+    disk = tmp_path / "small"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=560k", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        s = train(_cfg(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.keep=5",
+                       f"checkpoint.dir={disk}"))
+        assert s["status"] == "succeeded" and s["checkpoint"] is None   # the final one did not fit
+        log = (Path(s["run_dir"]) / "train.log").read_text()
+        assert "checkpoint at step 4 failed" in log and "previous checkpoint stays valid" in log
+        (only,) = complete_checkpoints(disk)
+        assert only.name == "step-00000002"
+        m = read_manifest(only)
+        for name, part in m["parts"].items():
+            assert zlib.crc32((only / name).read_bytes()) == part["crc32"]
+        assert not list(disk.glob("*.tmp-*"))
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_nonfinite_step_is_skipped_without_touching_weights_or_moments(ray_cluster, tmp_path):
+    seen = {}
+
+    def grab(step, session):
+        if step in (2, 3):
+            seen[step] = session.state_dict()
+            shards = [a for k, a in session.actors.items() if k.startswith("optimizer-")]
+            seen[f"opt{step}"] = ray.get([a.optimizer_state.remote() for a in shards])
+
+    s = train(_cfg(tmp_path, "debug.nonfinite_steps=[2]"), on_step=grab)
+    rows = [json.loads(x) for x in (Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in rows] == [False, False, True, False, False, False]
+    for k, v in seen[2].items():
+        np.testing.assert_array_equal(seen[3][k], v)           # step 2 changed no weight
+    for a, b in zip(seen["opt2"], seen["opt3"]):
+        for u in a:
+            for sa, sb in zip(a[u], b[u]):
+                for key in sa:
+                    assert np.array_equal(np.asarray(sa[key]), np.asarray(sb[key])), key
+    assert "step 2 skipped" in (Path(s["run_dir"]) / "train.log").read_text()
+
+
+def test_too_many_nonfinite_steps_in_a_row_stop_the_run(ray_cluster, tmp_path):
+    with pytest.raises(TrainingDiverged, match="3 consecutive"):
+        train(_cfg(tmp_path, "debug.nonfinite_steps=[1, 2, 3]", "train.max_skipped_steps=3"))
+    assert shm_files() == []
+
+
+def _run_cli(tmp_path, *extra):
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    return subprocess.Popen([sys.executable, "-m", "megaray.pipelines.train", "debug", "train.steps=100000",
+                             "data.max_bytes=50000", f"run.dir={tmp_path}", "cluster.num_cpus=4", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def _wait_for_steps(tmp_path, proc, n=5, timeout=180):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        logs = list(tmp_path.glob("debug-*/train.log"))
+        if logs and logs[0].read_text().count(" INFO step ") >= n:
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    raise AssertionError("the run did not start")
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
+    proc = _run_cli(tmp_path, "checkpoint.every=0")
+    _wait_for_steps(tmp_path, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out
+    (summary,) = [json.loads(p.read_text()) for p in tmp_path.glob("debug-*/summary.json")]
+    assert summary["status"] == "stopped"
+    (ck,) = complete_checkpoints(tmp_path / "checkpoints" / "debug")
+    assert read_manifest(ck)["step"] == summary["stopped_at_step"]
+    assert [f for f in shm_files() if f.startswith(f"{PREFIX}{proc.pid}_")] == []
+
+
+def test_sigkilled_driver_leaves_files_a_later_run_removes(tmp_path):
+    proc = _run_cli(tmp_path)
+    _wait_for_steps(tmp_path, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    left = [f for f in shm_files() if f.startswith(f"{PREFIX}{proc.pid}_")]
+    assert left, "expected the killed run's shared-memory files"
+    removed = remove_stale("/dev/shm")
+    assert {os.path.basename(p) for p in removed} >= set(left)
+    assert [f for f in shm_files() if f.startswith(f"{PREFIX}{proc.pid}_")] == []
+    subprocess.run(["pkill", "-9", "-f", f"megaray.pipelines.train debug train.steps=100000"], capture_output=True)

@@ -74,6 +74,11 @@ class TrainingSession:
         bundle = {"CPU": cpus}
         if self.device == "cuda":
             bundle["GPU"] = 1
+        have = ray.cluster_resources()
+        if any(have.get(k, 0) < v for k, v in bundle.items()):
+            raise MegarayError(
+                f"the Ray cluster has {dict((k, have.get(k, 0)) for k in bundle)} but the run needs {bundle} "
+                f"on one node (optim.num_shards x optim.threads_per_shard + worker.threads CPUs)")
         self.pg = placement_group([bundle], strategy="STRICT_PACK", name=self.actor_name("group"))
         try:
             ray.get(self.pg.ready(), timeout=120)

@@ -79,7 +79,8 @@ def run_baseline(cfg: RunConfig, state, batches, device="cuda") -> dict:
 
 
 def bench(shape: str, seq_len: int, tokens_per_step: int, micro_batch: int, steps: int,
-          shards: int, threads: int, baseline: bool = True, extra: dict | None = None) -> dict:
+          shards: int, threads: int, baseline: bool = True, extra: dict | None = None,
+          checkpoint_dir: str | None = None) -> dict:
     import ray
 
     from megaray.actors.session import TrainingSession
@@ -111,6 +112,8 @@ def bench(shape: str, seq_len: int, tokens_per_step: int, micro_batch: int, step
         for i, b in enumerate(batches):
             ms.append(s.train_step(i, b))
         s.drain()
+        if checkpoint_dir:
+            out["checkpoint"] = _time_checkpoint(cfg, s, steps, checkpoint_dir)
     warm = ms[1:] if len(ms) > 1 else ms
     step_s = statistics.median(m["step_time_s"] for m in warm)
     out["megaray"] = {"step_s": step_s, "tflops": flops / step_s / 1e12,
@@ -132,6 +135,26 @@ def bench(shape: str, seq_len: int, tokens_per_step: int, micro_batch: int, step
     return out
 
 
+def _time_checkpoint(cfg: RunConfig, session, step: int, folder: str) -> dict:
+    """Write one checkpoint of the trained state and load it back, timing both."""
+    import shutil
+
+    from megaray.runner import Checkpointer
+
+    ck = Checkpointer(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, dir=folder)),
+                      session.run_id)
+    t0 = time.perf_counter()
+    path = ck.save(session, step, {})
+    save_s = time.perf_counter() - t0
+    size = sum(p.stat().st_size for p in path.iterdir())
+    t0 = time.perf_counter()
+    ck.load(session, path)
+    load_s = time.perf_counter() - t0
+    shutil.rmtree(path)
+    return {"bytes": size, "save_s": save_s, "load_s": load_s,
+            "save_gbps": size / save_s / 1e9, "load_gbps": size / load_s / 1e9}
+
+
 def print_table(r: dict) -> None:
     m = r["megaray"]
     print(f"{r['shape']} ({r['params'] / 1e9:.2f}B params) seq {r['seq_len']}, {r['tokens_per_step']} tokens/step "
@@ -145,4 +168,8 @@ def print_table(r: dict) -> None:
     elif b:
         print(f"  baseline: {b}")
     print("  breakdown (median s): " + ", ".join(f"{k[7:]}={v:.3f}" for k, v in m["breakdown"].items()))
+    if "checkpoint" in r:
+        c = r["checkpoint"]
+        print(f"  checkpoint: {c['bytes'] / 1e9:.1f} GB written in {c['save_s']:.1f} s ({c['save_gbps']:.2f} GB/s), "
+              f"loaded in {c['load_s']:.1f} s ({c['load_gbps']:.2f} GB/s)")
     print("JSON " + json.dumps(r))

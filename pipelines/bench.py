@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     p.add_argument("--no-baseline", action="store_true")
     p.add_argument("--set", nargs="*", default=[], help="section.key=value for the megaray config")
     p.add_argument("--json", help="append the result as one JSON line to this file")
+    p.add_argument("--checkpoint-dir", help="also time writing and loading one checkpoint here")
     a = p.parse_args(argv)
     import ray
     import yaml
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
         ray.init(address="local", num_cpus=os.cpu_count(), object_store_memory=512 * 2**20, include_dashboard=False)
     try:
         r = bench(a.shape, a.seq, a.tokens, a.micro_batch, a.steps, a.shards, a.threads,
-                  baseline=not a.no_baseline, extra=extra)
+                  baseline=not a.no_baseline, extra=extra, checkpoint_dir=a.checkpoint_dir)
         print_table(r)
         if a.json:
             with open(a.json, "a") as f:

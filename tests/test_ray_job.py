@@ -46,8 +46,13 @@ def head():
 
 
 def _submit(head, sid: str, *args: str) -> None:
-    p = _ray("job", "submit", "--address", head["address"], "--working-dir", str(ROOT), "--submission-id", sid,
-             "--no-wait", "--", "python", "-m", "megaray.pipelines.train", *args)
+    t0 = time.time()
+    while True:   # right after `ray start` the job agent may not be up yet ("try again later")
+        p = _ray("job", "submit", "--address", head["address"], "--working-dir", str(ROOT), "--submission-id", sid,
+                 "--no-wait", "--", "python", "-m", "megaray.pipelines.train", *args)
+        if p.returncode == 0 or "try again later" not in p.stderr + p.stdout or time.time() - t0 > 120:
+            break
+        time.sleep(3)
     assert p.returncode == 0, p.stdout + p.stderr
 
 

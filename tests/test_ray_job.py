@@ -6,6 +6,7 @@ job runs, reads `ray job logs`, and stops the head with `ray stop`.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -123,3 +124,23 @@ def test_job_with_bad_config_fails_with_the_error_in_its_logs(head):
     assert _wait(head, "megaray-bad", timeout=120) == "FAILED"
     logs = _ray("job", "logs", "megaray-bad", "--address", head["address"]).stdout
     assert "config key 'optim.num_shards'" in logs
+
+
+def test_ray_job_stop_checkpoints_and_stops(head, tmp_path):
+    _submit(head, "megaray-stop", "debug", "train.steps=100000", f"run.dir={tmp_path}", "checkpoint.every=0")
+    t0 = time.time()
+    while time.time() - t0 < 180:
+        logs = list(tmp_path.glob("debug-*/train.log"))
+        if logs and logs[0].read_text().count(" INFO step ") >= 5:
+            break
+        time.sleep(1)
+    p = _ray("job", "stop", "megaray-stop", "--address", head["address"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert _wait(head, "megaray-stop", timeout=120) == "STOPPED"
+    t0 = time.time()
+    while time.time() - t0 < 30 and not list(tmp_path.glob("debug-*/summary.json")):
+        time.sleep(0.5)
+    (summary,) = [json.loads(p.read_text()) for p in tmp_path.glob("debug-*/summary.json")]
+    assert summary["status"] == "stopped"
+    ckpts = [p for p in (tmp_path / "checkpoints" / "debug").iterdir() if (p / "manifest.json").is_file()]
+    assert [json.loads((p / "manifest.json").read_text())["step"] for p in ckpts] == [summary["stopped_at_step"]]

@@ -68,6 +68,11 @@ class TrainingSession:
 
     def _start(self) -> None:
         cfg = self.cfg
+        if cfg.model.from_path:   # headers, names and shapes, before any actor or allocation
+            from megaray.hf import verify_source
+            from megaray.model import build_layout
+
+            verify_source(build_layout(cfg.model), cfg.model.from_path)
         self.device = resolve_device(cfg)
         o = cfg.optim
         cpus = o.num_shards * o.threads_per_shard + cfg.worker.threads
@@ -97,7 +102,19 @@ class TrainingSession:
 
         store = spawn(ParameterStore, "store").remote(cfg, self.run_id, os.getpid())
         self.actors["store"] = store
-        handles = ray.get(store.handles.remote())
+        try:
+            handles = ray.get(store.handles.remote())
+        except ray.exceptions.RayActorError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, MegarayError):   # e.g. a broken model file: say so plainly
+                raise cause from None
+            raise
+        self.weights_report = ray.get(store.report.remote())
+        if self.cfg.model.from_path:
+            r = self.weights_report
+            log.info("loaded %s: %d tensors, %.2f GB (%s) in %.1f s; store peak RSS %.2f GB for %.2f GB of "
+                     "fp32 masters", self.cfg.model.from_path, r["tensors"], r["source_bytes"] / 1e9,
+                     ",".join(r["source_dtypes"]), r["seconds"], r["peak_rss_bytes"] / 1e9, r["master_bytes"] / 1e9)
         self.handles = handles
         self.buf = RunBuffers(handles, kinds=("control",))
         sched = spawn(Scheduler, "scheduler").remote(cfg, handles, self.actor_name("scheduler"))
@@ -158,6 +175,19 @@ class TrainingSession:
             for s in u.params:
                 out[s.name] = flat[s.offset:s.offset + s.numel].view(s.shape).numpy().copy()
         return out
+
+    def gradients(self) -> dict[str, np.ndarray]:
+        """The last step's fp32 gradients by name, as the worker wrote them (tests; clipping
+        off, since the fused clip scales them in place)."""
+        self.drain()
+        grads = RunBuffers(self.handles, kinds=("grad",))
+        return {s.name: grads.grad(u.index)[s.offset:s.offset + s.numel].view(s.shape).numpy().copy()
+                for u in self.handles.units for s in u.params}
+
+    def logits(self, tokens: np.ndarray) -> np.ndarray:
+        """fp32 logits [batch, seq, vocab] for tokens [batch, seq] with the current weights."""
+        self.drain()
+        return self._call(self.actors["worker"].logits.remote(tokens))
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         ray.get(self.actors["store"].load_state_dict.remote(state))

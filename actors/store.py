@@ -1,7 +1,7 @@
 """ParameterStore actor: owns a run's shared-memory files and initializes the weights.
 
 It creates the master, compute-copy, gradient and control files, fills the master weights
-deterministically from the seed (each unit from its own generator, so the result does not
+from a Hugging Face directory (``model.from``) or deterministically from the seed (each unit from its own generator, so the result does not
 depend on sharding), casts the compute copy, and publishes ``Handles``. It is the only
 writer of weights outside the optimizer shards, and only before training starts.
 """
@@ -10,11 +10,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import resource
+import time
 from pathlib import Path
 
 from megaray.buffers import Handles, RunBuffers
 from megaray.checkpoint import read_into, write_bytes
 from megaray.errors import CheckpointError
+from megaray.hf import load_into
 from megaray.config import RunConfig
 from megaray.model import build_layout, init_unit
 from megaray.shm import remove_run
@@ -27,9 +30,23 @@ class ParameterStore:
         units = build_layout(cfg.model)
         self.h = Handles.plan(run_id, owner_pid, cfg.cluster.shm_dir, cfg.train.compute_dtype, units)
         self.buf = RunBuffers(self.h, create=True)
+        t0 = time.perf_counter()
+        if cfg.model.from_path:
+            # Tensor by tensor from memory-mapped safetensors: never the whole model twice.
+            self.load_report = load_into(units, self.buf.master, cfg.model.from_path)
+        else:
+            for u in units:
+                self.buf.master(u.index).copy_(init_unit(u, cfg.model, cfg.run.seed))
+            self.load_report = {"initialized_from_seed": cfg.run.seed}
         for u in units:
-            self.buf.master(u.index).copy_(init_unit(u, cfg.model, cfg.run.seed))
             self._sync_compute(u.index)
+        self.load_report.update(seconds=time.perf_counter() - t0,
+                                peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                                master_bytes=self.h.master_bytes)
+
+    def report(self) -> dict:
+        """How the weights were created: source, seconds, this process's peak RSS."""
+        return self.load_report
 
     def _sync_compute(self, u: int) -> None:
         if not self.h.aliased:

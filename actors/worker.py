@@ -34,7 +34,8 @@ from megaray.buffers import DTYPES, Handles, RunBuffers
 from megaray.config import RunConfig
 from megaray.errors import ActorFailure, InjectedFault, RunAborted
 from megaray.memory import keep_blocks
-from megaray.model import IGNORE_INDEX, bind, block_forward, embed_forward, head_loss_sum, rope_tables
+from megaray.model import (IGNORE_INDEX, bind, block_forward, embed_forward, head_loss_sum, rms_norm,
+                           rope_tables)
 
 
 class _Timer:
@@ -408,6 +409,26 @@ class GpuWorker:
                 count += int(n)
         self._release(0)
         return {"loss_sum": loss, "tokens": count}
+
+    @torch.no_grad()
+    def logits(self, tokens: np.ndarray) -> np.ndarray:
+        """fp32 logits of a small batch [batch, seq] (tests and interop checks)."""
+        step = min(self.buf.version(u.index) for u in self.units)
+        timer = _Timer()
+        self._slot_step = getattr(self, "_slot_step", {})
+        x = torch.tensor(tokens, dtype=torch.int64).to(self.device)
+        self._ready(self._stage(0, step, timer), timer)
+        _, we = self._weights(0, grad=False)
+        h = embed_forward(we, x)
+        for u in range(1, len(self.units)):
+            self._ready(self._stage(u, step, timer), timer)
+            _, w = self._weights(u, grad=False)
+            if u <= self.L:
+                h = block_forward(w, h, self.rope, self.mcfg)
+            self._release(u)
+        h = rms_norm(h, w["model.norm.weight"], self.mcfg.rms_norm_eps)
+        out = we["model.embed_tokens.weight"] if self.mcfg.tie_word_embeddings else w["lm_head.weight"]
+        return torch.nn.functional.linear(h, out).float().cpu().numpy()
 
     def close(self) -> None:
         self.copy_in.shutdown(wait=False, cancel_futures=True)

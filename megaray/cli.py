@@ -7,6 +7,7 @@ USAGE = """usage: megaray COMMAND ...
 
 commands:
   train CONFIG [section.key=value ...]   train a model (CONFIG: a YAML file or 'demo')
+  export RUN_OR_CHECKPOINT OUT_DIR         write a Hugging Face model directory
   bench [--shape S --seq N --tokens N ...] megaray vs a GPU-resident PyTorch baseline (needs a GPU)
 """
 
@@ -21,6 +22,10 @@ def main(argv: list[str] | None = None) -> int:
         from megaray.pipelines.train import main as train_main
 
         return train_main(rest)
+    if cmd == "export":
+        from megaray.pipelines.export import main as export_main
+
+        return export_main(rest)
     if cmd == "bench":
         from megaray.pipelines.bench import main as bench_main
 

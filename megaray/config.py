@@ -45,6 +45,9 @@ class ModelConfig:
 
     shape: str | None = None
     """Registered shape name (debug, demo, llama1b, llama3b, llama8b) or null."""
+    from_path: str | None = None
+    """YAML key ``from``: a Hugging Face model directory (config.json + safetensors). Its
+    config.json sets every shape key, and training starts from its weights (upcast to fp32)."""
     vocab_size: int = 0
     """Vocabulary size."""
     hidden_size: int = 0
@@ -75,6 +78,11 @@ class ModelConfig:
     """RMSNorm on queries and keys per head before rotary (Qwen3)."""
     initializer_range: float = 0.02
     """Standard deviation of the normal initialization of matrices."""
+    sliding_window: int | None = None
+    """Mistral's attention window; megaray computes full causal attention, so sequences may
+    not be longer than this."""
+    architecture: str | None = None
+    """Hugging Face architecture name (set from model.from; used by megaray export)."""
 
     def __post_init__(self):
         if self.shape is not None and self.shape not in SHAPES:
@@ -331,12 +339,17 @@ class RunConfig:
                 f"{self.optim.num_shards} optimizer shards for {units} layer units "
                 f"({self.model.num_hidden_layers} blocks + embedding + head): at most {units}",
             )
+        sw = self.model.sliding_window
+        if sw is not None and self.train.seq_len > sw:
+            raise ConfigError("model.from", f"sliding_window={sw} is shorter than train.seq_len={self.train.seq_len}; "
+                                            "megaray computes full causal attention")
         if self.train.seq_len > self.model.max_position_embeddings:
             raise ConfigError(
                 "train.seq_len",
                 f"{self.train.seq_len} exceeds model.max_position_embeddings={self.model.max_position_embeddings}",
             )
-        if self.data.source == "stdlib" and self.model.vocab_size < 256:
+        has_tokenizer = self.model.from_path and os.path.isfile(os.path.join(self.model.from_path, "tokenizer.json"))
+        if self.data.source == "stdlib" and self.model.vocab_size < 256 and not has_tokenizer:
             raise ConfigError("model.vocab_size", "byte-level data needs vocab_size >= 256")
 
     def to_dict(self) -> dict:
@@ -376,6 +389,18 @@ def _build_section(cls, key: str, data: Any):
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(key, f"must be a mapping (got {type(data).__name__})")
+    if cls is ModelConfig and "from" in data:
+        data = dict(data)
+        data["from_path"] = data.pop("from")
+        if not isinstance(data["from_path"], str):
+            raise ConfigError("model.from", f"expected a path, got {data['from_path']!r}")
+        from megaray.hf import read_hf_config
+
+        hf = read_hf_config(data["from_path"])
+        clash = sorted(k for k in data if k in hf and data[k] != hf[k])
+        if clash:
+            raise ConfigError(f"model.{clash[0]}", "is set by model.from's config.json; remove it")
+        data = {**hf, **data}
     if cls is ModelConfig and data.get("shape") in SHAPES:
         data = {**SHAPES[data["shape"]], **data}  # explicit keys win over the shape's
     hints = typing.get_type_hints(cls)

@@ -1,8 +1,10 @@
-"""The embedded demo corpus: the running Python's standard-library source, byte-level.
+"""The embedded demo corpus: the running Python's standard-library source.
 
 Every machine that runs megaray has it, so the demo needs no download. Tokens are bytes
-(vocab 256). Batches are windows at random offsets drawn from a generator seeded by
-(seed, step), so the batch of step s is the same however the run got there.
+(vocab 256), or, when the model comes from a Hugging Face directory with a tokenizer.json,
+that tokenizer's ids (through the ``tokenizers`` library). Batches are windows at random
+offsets drawn from a generator seeded by (seed, step), so the batch of step s is the same
+however the run got there.
 """
 from __future__ import annotations
 
@@ -24,10 +26,19 @@ def stdlib_files() -> list[str]:
     return out
 
 
-class ByteCorpus:
-    """A flat uint8 token array split into train and held-out parts."""
+def model_tokenizer(model_dir: str | None):
+    """The ``tokenizers.Tokenizer`` of a model directory, or None (byte-level)."""
+    if not model_dir or not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        return None
+    from tokenizers import Tokenizer
 
-    def __init__(self, data: DataConfig):
+    return Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+
+
+class ByteCorpus:
+    """A flat token array split into train and held-out parts."""
+
+    def __init__(self, data: DataConfig, tokenizer=None, vocab_size: int = 256):
         chunks, total = [], 0
         for path in stdlib_files():
             try:
@@ -42,6 +53,13 @@ class ByteCorpus:
         if total < 4096:
             raise DataError(f"the standard library under {sysconfig.get_paths()['stdlib']} has too little source")
         tokens = np.concatenate(chunks)[: data.max_bytes]
+        if tokenizer is not None:
+            texts = bytes(tokens).decode("utf-8", errors="replace").split("\n\n")
+            ids = [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+            tokens = np.fromiter((i for seq in ids for i in seq), dtype=np.int64)
+            if len(tokens) and int(tokens.max()) >= vocab_size:
+                raise DataError(f"the tokenizer produced id {int(tokens.max())}, outside the model's "
+                                f"vocabulary of {vocab_size}")
         cut = len(tokens) - int(len(tokens) * data.holdout_fraction)
         self.train, self.heldout = tokens[:cut], tokens[cut:]
 

@@ -30,6 +30,11 @@ class DataError(MegarayError, ValueError):
     """Training data is missing or malformed; the message names the file (and row)."""
 
 
+class ModelFileError(MegarayError, ValueError):
+    """A model directory's weight files are missing, truncated, corrupt or do not match its
+    config.json; the message names the file (and tensor)."""
+
+
 class ActorFailure(MegarayError, RuntimeError):
     """An actor of a run failed; ``actor`` is its name (``megaray:<run>:optimizer-1``)."""
 

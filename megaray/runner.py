@@ -226,7 +226,7 @@ def train(cfg: RunConfig, run_id: str | None = None, on_step=None) -> dict:
     from torch.utils.tensorboard import SummaryWriter
 
     from megaray.actors.session import new_run_id
-    from megaray.data import ByteCorpus
+    from megaray.data import ByteCorpus, model_tokenizer
 
     run_id = run_id or new_run_id(cfg.run.name)
     run_dir = make_run_dir(cfg, run_id)
@@ -238,9 +238,10 @@ def train(cfg: RunConfig, run_id: str | None = None, on_step=None) -> dict:
     log.info("tensorboard --logdir %s", (run_dir / "tb").resolve())
     log.info("Ray dashboard: %s (actors are named megaray:%s:<role>)", dashboard_url(), run_id)
     t_start = time.perf_counter()
-    corpus = ByteCorpus(cfg.data)
-    log.info("data: %d train / %d held-out byte tokens from the standard library",
-             len(corpus.train), len(corpus.heldout))
+    tok = model_tokenizer(cfg.model.from_path)
+    corpus = ByteCorpus(cfg.data, tok, cfg.model.vocab_size)
+    log.info("data: %d train / %d held-out %s tokens from the standard library", len(corpus.train),
+             len(corpus.heldout), "byte" if tok is None else f"{cfg.model.from_path}/tokenizer.json")
     tb = SummaryWriter(str(run_dir / "tb"))
     tb.add_text("config", "```\n" + dump_config(cfg) + "\n```", 0)
     metrics_file = open(run_dir / "metrics.jsonl", "w")

@@ -19,5 +19,8 @@ def ray_cluster():
     ray.shutdown()
 
 
-def shm_files(run_id: str | None = None) -> list[str]:
-    return [f for f in os.listdir("/dev/shm") if f.startswith("megaray_") and (run_id is None or run_id in f)]
+def shm_files(run_id: str | None = None, pid: int | None = None) -> list[str]:
+    """megaray's shared-memory files of a run, or of runs driven by ``pid`` (default: this process)."""
+    if run_id is not None:
+        return [f for f in os.listdir("/dev/shm") if f.startswith("megaray_") and f"_{run_id}_" in f]
+    return [f for f in os.listdir("/dev/shm") if f.startswith(f"megaray_{pid or os.getpid()}_")]

@@ -24,7 +24,7 @@ from megaray.checkpoint import complete_checkpoints, read_manifest
 from megaray.config import load_config
 from megaray.errors import CheckpointError, TrainingDiverged
 from megaray.runner import train
-from megaray.shm import PREFIX, remove_stale
+from megaray.shm import remove_stale
 
 from conftest import shm_files
 
@@ -208,7 +208,7 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
     assert summary["status"] == "stopped"
     (ck,) = complete_checkpoints(tmp_path / "checkpoints" / "debug")
     assert read_manifest(ck)["step"] == summary["stopped_at_step"]
-    assert [f for f in shm_files() if f.startswith(f"{PREFIX}{proc.pid}_")] == []
+    assert shm_files(pid=proc.pid) == []
 
 
 def test_sigkilled_driver_leaves_files_a_later_run_removes(tmp_path):
@@ -216,9 +216,9 @@ def test_sigkilled_driver_leaves_files_a_later_run_removes(tmp_path):
     _wait_for_steps(tmp_path, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
-    left = [f for f in shm_files() if f.startswith(f"{PREFIX}{proc.pid}_")]
+    left = shm_files(pid=proc.pid)
     assert left, "expected the killed run's shared-memory files"
     removed = remove_stale("/dev/shm")
     assert {os.path.basename(p) for p in removed} >= set(left)
-    assert [f for f in shm_files() if f.startswith(f"{PREFIX}{proc.pid}_")] == []
+    assert shm_files(pid=proc.pid) == []
     subprocess.run(["pkill", "-9", "-f", f"megaray.pipelines.train debug train.steps=100000"], capture_output=True)

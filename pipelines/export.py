@@ -1,0 +1,30 @@
+"""Export entrypoint: ``megaray export RUN_OR_CHECKPOINT OUT_DIR`` writes a Hugging Face
+model directory (config.json, sharded safetensors with index, and the tokenizer and
+generation files of the model it started from) that transformers loads."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None, prog: str = "megaray export") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p.add_argument("source", help="a checkpoint folder, a run directory, or a folder of checkpoints")
+    p.add_argument("out_dir")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors shard, in GiB")
+    a = p.parse_args(argv)
+    from megaray.errors import MegarayError
+    from megaray.hf import export_checkpoint
+
+    try:
+        ck, written = export_checkpoint(a.source, a.out_dir, a.dtype, int(a.shard_gb * 2**30))
+    except MegarayError as e:
+        print(f"megaray: export failed: {e}", file=sys.stderr)
+        return 1
+    print(f"megaray: exported {ck} to {a.out_dir}: {', '.join(written)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog="python -m megaray.pipelines.export"))

@@ -72,6 +72,7 @@ class GpuWorker:
                       "block0": mk(block_numel), "block1": mk(block_numel)}
         self.slot_unit = {k: -1 for k in self.slots}        # which unit a slot holds now
         self.slot_free = {k: None for k in self.slots}      # CUDA event: last compute that read it
+        self._slot_step: dict[str, int] = {}                # the step whose weights a slot holds
         self.rope = rope_tables(self.mcfg, self.mcfg.max_position_embeddings, self.device, torch.float32)
         self._auto_keep: int | None = None
         self._copy_events: list = []
@@ -225,7 +226,6 @@ class GpuWorker:
     def _run_step(self, step: int, tokens: np.ndarray) -> dict:
         t_start = time.perf_counter()
         timer = _Timer()
-        self._slot_step = getattr(self, "_slot_step", {})
         self._copy_events = []
         toks = torch.tensor(tokens, dtype=torch.int64).to(self.device, non_blocking=True)
         inputs, targets = toks[..., :-1], toks[..., 1:]
@@ -384,7 +384,6 @@ class GpuWorker:
     @torch.no_grad()
     def _evaluate(self, step: int, tokens: np.ndarray) -> dict:
         timer = _Timer()
-        self._slot_step = getattr(self, "_slot_step", {})
         toks = torch.tensor(tokens, dtype=torch.int64).to(self.device)
         inputs, targets = toks[..., :-1], toks[..., 1:]
         U, L = len(self.units), self.L
@@ -415,7 +414,6 @@ class GpuWorker:
         """fp32 logits of a small batch [batch, seq] (tests and interop checks)."""
         step = min(self.buf.version(u.index) for u in self.units)
         timer = _Timer()
-        self._slot_step = getattr(self, "_slot_step", {})
         x = torch.tensor(tokens, dtype=torch.int64).to(self.device)
         self._ready(self._stage(0, step, timer), timer)
         _, we = self._weights(0, grad=False)

@@ -139,6 +139,10 @@ def test_broken_model_directories_fail_clearly(ray_cluster, tmp_path):
     (trunc / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelFileError, match="model.safetensors"):
         TrainingSession(_cfg(trunc)).start()
+    # corrupt: garbage where the header length should be
+    (trunc / "model.safetensors").write_bytes(b"\xff" * 8 + data[8:])
+    with pytest.raises(ModelFileError, match="model.safetensors"):
+        TrainingSession(_cfg(trunc)).start()
     # a missing shard
     torch.manual_seed(0)
     sharded = tmp_path / "sharded"

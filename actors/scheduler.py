@@ -107,13 +107,16 @@ class Scheduler:
             for label, ref in side():
                 if ref not in seen:
                     seen[ref] = (label, asyncio.wrap_future(ref.future()))
-            futs = [main_fut] + [f for _, f in seen.values()]
-            done, _ = await asyncio.wait(futs, timeout=0.05, return_when=asyncio.FIRST_EXCEPTION)
-            for f in sorted(done, key=lambda f: f is main_fut):  # a peer's failure is the cause
-                if f.exception() is not None:
-                    label = main[0] if f is main_fut else next(lb for lb, ff in seen.values() if ff is f)
-                    self._fail()
-                    raise _as_failure(label, f.exception())
+            waiting = [main_fut] + [f for _, f in seen.values() if not f.done()]
+            # Wake as soon as anything finishes; the timeout picks up calls side() adds later.
+            await asyncio.wait(waiting, timeout=0.05, return_when=asyncio.FIRST_COMPLETED)
+            failed = [(label, f) for label, f in seen.values() if f.done() and f.exception() is not None]
+            if main_fut.done() and main_fut.exception() is not None:
+                failed.append((main[0], main_fut))             # a peer's failure, if any, comes first
+            if failed:
+                self._fail()
+                label, f = failed[0]
+                raise _as_failure(label, f.exception())
             if main_fut.done():
                 return main_fut.result()
 

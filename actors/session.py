@@ -42,6 +42,13 @@ def resolve_device(cfg: RunConfig) -> str:
     return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
 
 
+@ray.remote(num_gpus=1, num_cpus=0)
+def _gpu_free() -> int:
+    import torch
+
+    return torch.cuda.mem_get_info()[0]
+
+
 class TrainingSession:
     def __init__(self, cfg: RunConfig, run_id: str | None = None):
         self.cfg = cfg
@@ -74,6 +81,12 @@ class TrainingSession:
 
             verify_source(build_layout(cfg.model), cfg.model.from_path)
         self.device = resolve_device(cfg)
+        # The memory plan, before anything is allocated (host and /dev/shm here, the GPU
+        # through a probe task on a GPU of the cluster).
+        from megaray.plan import Machine, check
+
+        gpu_free = ray.get(_gpu_free.remote()) if self.device == "cuda" else None
+        self.plan = check(cfg, Machine.here(cfg.cluster.shm_dir, gpu_bytes=gpu_free))
         o = cfg.optim
         cpus = o.num_shards * o.threads_per_shard + cfg.worker.threads
         bundle = {"CPU": cpus}

@@ -7,6 +7,7 @@ USAGE = """usage: megaray COMMAND ...
 
 commands:
   train CONFIG [section.key=value ...]   train a model (CONFIG: a YAML file or 'demo')
+  plan CONFIG [section.key=value ...]    the run's host/shared/GPU memory plan, checked here
   export RUN_OR_CHECKPOINT OUT_DIR         write a Hugging Face model directory
   bench [--shape S --seq N --tokens N ...] megaray vs a GPU-resident PyTorch baseline (needs a GPU)
 """
@@ -22,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         from megaray.pipelines.train import main as train_main
 
         return train_main(rest)
+    if cmd == "plan":
+        from megaray.pipelines.plan import main as plan_main
+
+        return plan_main(rest)
     if cmd == "export":
         from megaray.pipelines.export import main as export_main
 

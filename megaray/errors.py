@@ -30,6 +30,11 @@ class DataError(MegarayError, ValueError):
     """Training data is missing or malformed; the message names the file (and row)."""
 
 
+class PlanError(MegarayError):
+    """The run does not fit the machine (host memory, shared memory or GPU); the message is
+    the whole memory plan with the shortfall. Raised before anything is allocated."""
+
+
 class ModelFileError(MegarayError, ValueError):
     """A model directory's weight files are missing, truncated, corrupt or do not match its
     config.json; the message names the file (and tensor)."""

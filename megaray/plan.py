@@ -1,0 +1,173 @@
+"""Memory plan of a run: what host memory, /dev/shm and the GPU must hold, before anything
+is allocated.
+
+``plan(cfg)`` counts, from the config alone:
+- host shared memory (``cluster.shm_dir``): fp32 masters, the compute-dtype copy (none for
+  fp32 compute), fp32 gradients (one region per unit), control words, all page-aligned as
+  ``megaray.buffers`` lays them out; plus Ray's object store, which lives in /dev/shm too;
+- host private memory: fp32 Adam moments (8 bytes a parameter, in the optimizer shards) and
+  a fixed allowance per actor process for the interpreter and torch;
+- the GPU: the four weight slots (embedding, head, two blocks), the saved block inputs of a
+  step, the kept blocks' internals and weights (``megaray.memory``), gradient buffers, the
+  recomputation workspace of one micro-batch, the loss chunk's logits, and the CUDA context.
+
+``check(cfg, machine)`` compares with what the machine has and raises ``PlanError`` with the
+whole report and the shortfall; ``megaray train`` calls it before starting any actor.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from megaray.buffers import DTYPES, Handles
+from megaray.config import RunConfig
+from megaray.errors import PlanError
+from megaray.memory import block_internal_bytes_per_token
+from megaray.model import build_layout
+
+GiB = 2**30
+PROCESS_BYTES = int(0.4 * GiB)   # one actor process: interpreter, torch, Ray worker
+CUDA_CONTEXT_BYTES = 1 * GiB
+
+
+@dataclass
+class Machine:
+    host_bytes: int          # memory available to the run
+    shm_bytes: int           # free space in cluster.shm_dir
+    gpu_bytes: int | None    # free device memory, None when no GPU is visible here
+
+    @classmethod
+    def here(cls, shm_dir: str, gpu_bytes: int | None = None, probe_gpu: bool = False) -> "Machine":
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                info[k] = int(v.split()[0]) * 1024
+        st = os.statvfs(shm_dir)
+        gpu = gpu_bytes
+        if gpu is None and probe_gpu:
+            import torch
+
+            if torch.cuda.is_available():
+                gpu = torch.cuda.mem_get_info()[0]
+        return cls(info.get("MemAvailable", info["MemFree"]), st.f_bavail * st.f_frsize, gpu)
+
+
+@dataclass
+class Plan:
+    params: int
+    shm: dict = field(default_factory=dict)
+    host_private: dict = field(default_factory=dict)
+    gpu: dict = field(default_factory=dict)
+    keep_blocks: int = 0
+
+    @property
+    def shm_total(self) -> int:
+        return sum(self.shm.values())
+
+    @property
+    def host_total(self) -> int:
+        return self.shm_total + sum(self.host_private.values())
+
+    @property
+    def gpu_total(self) -> int:
+        return sum(self.gpu.values())
+
+    @property
+    def host_bytes_per_param(self) -> float:
+        """Training state per parameter: shared buffers and moments (no fixed per-process allowance)."""
+        state = self.shm_total - self.shm.get("ray object store", 0) + self.host_private["adam moments (fp32)"]
+        return state / self.params
+
+    def report(self, machine: Machine | None = None) -> str:
+        def block(title, items, total, have=None):
+            lines = [f"{title}: {total / GiB:8.2f} GiB" + (f"  (available {have / GiB:.2f} GiB)" if have is not None
+                                                             else "")]
+            lines += [f"    {k:<42} {v / GiB:8.2f} GiB" for k, v in items.items()]
+            return lines
+
+        out = [f"model: {self.params / 1e9:.3f}B parameters; host state {self.host_bytes_per_param:.2f} bytes/param"]
+        out += block("host memory", {**self.shm, **self.host_private}, self.host_total,
+                     machine.host_bytes if machine else None)
+        out += block(f"  of which shared memory", self.shm, self.shm_total, machine.shm_bytes if machine else None)
+        out += block(f"GPU (keeping {self.keep_blocks} blocks' activations)", self.gpu, self.gpu_total,
+                     machine.gpu_bytes if machine else None)
+        return "\n".join(out)
+
+
+def plan(cfg: RunConfig, keep: int | None = None) -> Plan:
+    m, t = cfg.model, cfg.train
+    units = build_layout(m)
+    h = Handles.plan("plan", 0, cfg.cluster.shm_dir, t.compute_dtype, units)
+    p = Plan(params=m.num_params())
+    p.shm = {"fp32 master weights": h.master_bytes, f"{t.compute_dtype} compute copy": h.compute_bytes,
+             "fp32 gradients": h.master_bytes, "control words": h.control_bytes}
+    if cfg.cluster.address is None:
+        p.shm["ray object store"] = cfg.cluster.object_store_mb * 2**20
+    p.host_private = {"adam moments (fp32)": 8 * p.params,
+                      "actor processes": PROCESS_BYTES * (cfg.optim.num_shards + 4)}
+    s = DTYPES[t.compute_dtype].itemsize
+    tokens = t.tokens_per_step
+    micro_tokens = t.micro_batch_size * t.seq_len
+    block_numel = units[1].numel
+    per_block_internal = block_internal_bytes_per_token(m, s)
+    # With keep_activations unset the worker keeps as many blocks as fit; the plan counts
+    # the minimum (none), which is what must fit.
+    p.keep_blocks = keep if keep is not None else (cfg.worker.keep_activations or 0)
+    chunk = min(t.loss_chunk_tokens, micro_tokens)
+    p.gpu = {
+        "weight slots (embed, head, 2 blocks)": s * (units[0].numel + units[-1].numel + 2 * block_numel),
+        "saved block inputs": s * (m.num_hidden_layers + 1) * tokens * m.hidden_size,
+        "gradient of the step's activations": s * tokens * m.hidden_size,
+        "fp32 unit gradients (embed, head, block)": 4 * (units[0].numel + units[-1].numel + block_numel),
+        "recomputation workspace (1 micro-batch)": per_block_internal * micro_tokens,
+        "loss chunk logits (fp32, with grad)": 2 * 4 * chunk * m.vocab_size,
+        "kept blocks (internals + weights)": p.keep_blocks * (per_block_internal * tokens + s * block_numel),
+        "CUDA context and allocator slack": CUDA_CONTEXT_BYTES,
+    }
+    return p
+
+
+def shortfalls(p: Plan, machine: Machine) -> list[str]:
+    out = []
+    if p.host_total > machine.host_bytes:
+        out.append(f"host memory: needs {p.host_total / GiB:.2f} GiB, {machine.host_bytes / GiB:.2f} GiB available "
+                   f"(short by {(p.host_total - machine.host_bytes) / GiB:.2f} GiB)")
+    if p.shm_total > machine.shm_bytes:
+        out.append(f"shared memory: needs {p.shm_total / GiB:.2f} GiB, {machine.shm_bytes / GiB:.2f} GiB free "
+                   f"(short by {(p.shm_total - machine.shm_bytes) / GiB:.2f} GiB)")
+    if machine.gpu_bytes is not None and p.gpu_total > machine.gpu_bytes:
+        out.append(f"GPU memory: needs {p.gpu_total / GiB:.2f} GiB, {machine.gpu_bytes / GiB:.2f} GiB free "
+                   f"(short by {(p.gpu_total - machine.gpu_bytes) / GiB:.2f} GiB)")
+    return out
+
+
+def largest_fit(cfg: RunConfig, machine: Machine) -> tuple[int, int]:
+    """Largest micro_batch_size at this seq_len, and largest seq_len at this micro-batch, on the GPU."""
+    import dataclasses
+
+    if machine.gpu_bytes is None:
+        return cfg.train.micro_batch_size, cfg.train.seq_len
+
+    def fits(mb, seq):
+        tr = dataclasses.replace(cfg.train, micro_batch_size=mb, seq_len=seq)
+        return plan(dataclasses.replace(cfg, train=tr)).gpu_total <= machine.gpu_bytes
+
+    mb = 0
+    while mb < 4096 and fits(mb + 1, cfg.train.seq_len):
+        mb += 1
+    seq = 0
+    step = 256
+    while seq + step <= cfg.model.max_position_embeddings and fits(cfg.train.micro_batch_size, seq + step):
+        seq += step
+    return mb, seq
+
+
+def check(cfg: RunConfig, machine: Machine | None = None) -> Plan:
+    """Raise PlanError with the report when the machine cannot hold the run."""
+    machine = machine or Machine.here(cfg.cluster.shm_dir)
+    p = plan(cfg)
+    short = shortfalls(p, machine)
+    if short:
+        raise PlanError("the run does not fit this machine:\n  " + "\n  ".join(short) + "\n" + p.report(machine))
+    return p

@@ -1,0 +1,79 @@
+"""The memory planner against hand arithmetic, and the refusal before anything is allocated."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megaray.config import load_config
+from megaray.errors import PlanError
+from megaray.plan import GiB, PROCESS_BYTES, Machine, check, largest_fit, plan
+
+from conftest import shm_files
+
+
+def test_debug_plan_by_hand():
+    cfg = load_config("debug", ["cluster.object_store_mb=100"])
+    p = plan(cfg)
+    # units: embed 256x32 fp32 = 32768 B; block 9280 params = 37120 B -> 40960 aligned; head 32 -> 4096
+    assert p.shm["fp32 master weights"] == 32768 + 2 * 40960 + 4096 == 118784
+    assert p.shm["fp32 gradients"] == 118784
+    assert p.shm["float32 compute copy"] == 0                     # fp32 compute reads the master
+    assert p.shm["control words"] == 8 * (1 + 2 * 4)
+    assert p.shm["ray object store"] == 100 * 2**20
+    assert p.host_private["adam moments (fp32)"] == 8 * 26784
+    assert p.host_private["actor processes"] == PROCESS_BYTES * (2 + 4)
+    assert p.host_total == p.shm_total + 8 * 26784 + PROCESS_BYTES * 6
+
+
+def test_llama3b_gpu_items_by_hand():
+    cfg = load_config("debug", ["model.shape=llama3b", "train.seq_len=2048", "train.micro_batch_size=4",
+                                "train.grad_accum=8", "train.compute_dtype=bfloat16", "train.loss_chunk_tokens=4096",
+                                "optim.num_shards=4"])
+    p = plan(cfg)
+    block = 2 * 3072 + 3072 * 3072 + 2 * 3072 * 1024 + 3072 * 3072 + 3 * 3072 * 8192
+    assert p.gpu["weight slots (embed, head, 2 blocks)"] == 2 * (128256 * 3072 + 3072 + 2 * block)
+    assert p.gpu["saved block inputs"] == 2 * 29 * 65536 * 3072
+    assert p.gpu["loss chunk logits (fp32, with grad)"] == 2 * 4 * 4096 * 128256
+    assert p.shm["bfloat16 compute copy"] >= 2 * cfg.model.num_params()
+    assert 18.0 <= p.host_bytes_per_param < 18.01                  # 4 master + 2 copy + 4 grad + 8 moments
+
+
+def test_check_refuses_with_the_shortfall():
+    cfg = load_config("debug")
+    p = plan(cfg)
+    machine = Machine(host_bytes=p.host_total - GiB, shm_bytes=10 * GiB, gpu_bytes=None)
+    with pytest.raises(PlanError) as e:
+        check(cfg, machine)
+    assert "host memory" in str(e.value) and "short by 1.00 GiB" in str(e.value)
+    assert "fp32 master weights" in str(e.value)                  # the whole report comes along
+    tight = Machine(host_bytes=100 * GiB, shm_bytes=p.shm_total - 1, gpu_bytes=p.gpu_total - 1)
+    with pytest.raises(PlanError, match="shared memory.*\n.*GPU memory"):
+        check(cfg, tight)
+    assert check(cfg, Machine(100 * GiB, 100 * GiB, p.gpu_total)) is not None
+
+
+def test_largest_fit_is_the_edge():
+    cfg = load_config("debug", ["model.shape=llama1b", "train.seq_len=2048", "train.compute_dtype=bfloat16"])
+    machine = Machine(10**15, 10**15, 40 * GiB)
+    mb, seq = largest_fit(cfg, machine)
+
+    def gpu(mb_, seq_):
+        return plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=mb_,
+                                                                      seq_len=seq_))).gpu_total
+    assert gpu(mb, 2048) <= 40 * GiB < gpu(mb + 1, 2048)
+    assert gpu(cfg.train.micro_batch_size, seq) <= 40 * GiB < gpu(cfg.train.micro_batch_size, seq + 256)
+
+
+def test_train_refuses_an_8b_model_here_before_any_actor(ray_cluster, tmp_path):
+    import ray
+
+    from megaray.runner import train
+
+    cfg = load_config("debug", ["model.shape=llama8b", "train.seq_len=512", "train.compute_dtype=bfloat16",
+                                f"run.dir={tmp_path}", "run.name=big"])
+    with pytest.raises(PlanError, match="short by"):
+        train(cfg)
+    assert shm_files() == []
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "big-" in a["name"]]
+    assert names == []

@@ -42,7 +42,7 @@ def resolve_device(cfg: RunConfig) -> str:
     return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
 
 
-@ray.remote(num_gpus=1, num_cpus=0)
+@ray.remote(num_gpus=1, num_cpus=0, max_calls=1)   # its CUDA context leaves with it
 def _gpu_free() -> int:
     import torch
 

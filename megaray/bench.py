@@ -101,7 +101,10 @@ def bench(shape: str, seq_len: int, tokens_per_step: int, micro_batch: int, step
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, cfg.model.vocab_size, (ga, micro_batch, seq_len + 1)) for _ in range(steps)]
     flops = flops_per_step(cfg.model, tokens_per_step, seq_len)
+    from megaray.plan import plan
+
     out: dict = {"shape": shape, "params": cfg.model.num_params(), "seq_len": seq_len,
+                 "host_bytes_per_param": plan(cfg).host_bytes_per_param,
                  "tokens_per_step": tokens_per_step, "micro_batch": micro_batch, "grad_accum": ga,
                  "shards": shards, "threads_per_shard": threads}
     ms = []
@@ -158,7 +161,8 @@ def _time_checkpoint(cfg: RunConfig, session, step: int, folder: str) -> dict:
 def print_table(r: dict) -> None:
     m = r["megaray"]
     print(f"{r['shape']} ({r['params'] / 1e9:.2f}B params) seq {r['seq_len']}, {r['tokens_per_step']} tokens/step "
-          f"({r['grad_accum']} x {r['micro_batch']} x {r['seq_len']}), {r['shards']} shards x {r['threads_per_shard']} threads")
+          f"({r['grad_accum']} x {r['micro_batch']} x {r['seq_len']}), {r['shards']} shards x {r['threads_per_shard']} threads, "
+          f"{r['host_bytes_per_param']:.2f} host bytes/param")
     print(f"  megaray : {m['step_s']:.3f} s/step  {m['tflops']:.1f} TFLOP/s  {m['tokens_per_s']:.0f} tok/s  "
           f"GPU peak {m['gpu_peak_gib']:.1f} GiB")
     b = r.get("baseline")

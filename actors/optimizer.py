@@ -52,7 +52,6 @@ class OptimizerShard:
             groups = [{"params": [p], "weight_decay": wd} for p, _, wd in segs]
             self.opts[u] = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=True)
         self.pending: list[int] = []
-        self.busy_s = 0.0
         self._step, self._step_s, self._step_params = -1, 0.0, 0
         self.metrics = RunMetrics(handles.run_id, name.rsplit(":", 1)[-1], {
             "optimizer_seconds": "Time this optimizer shard spent updating in its last step",
@@ -65,7 +64,6 @@ class OptimizerShard:
 
     def on_grad(self, step: int, u: int, lr: float, apply_now: bool) -> None:
         """A unit's gradient has landed: update it now, or queue it for ``apply``."""
-        t0 = time.perf_counter()
         try:
             self._fault(step)
             if apply_now:
@@ -74,8 +72,6 @@ class OptimizerShard:
                 self.pending.append(u)
         except Exception as e:
             raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
-        finally:
-            self.busy_s += time.perf_counter() - t0
 
     def apply(self, step: int, coef: float, lr: float, skip: bool) -> float:
         """Update every pending unit in forward order; returns seconds spent."""
@@ -88,8 +84,6 @@ class OptimizerShard:
             return time.perf_counter() - t0
         except Exception as e:
             raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
-        finally:
-            self.busy_s += time.perf_counter() - t0
 
     def _account(self, step: int, seconds: float, params: int) -> None:
         """Per-step busy time, published to the metrics when the next step begins."""
@@ -150,9 +144,6 @@ class OptimizerShard:
         if need:
             raise CheckpointError(f"{folder}: no optimizer state for units {sorted(need)}")
         self.pending.clear()
-
-    def stats(self) -> dict:
-        return {"busy_s": self.busy_s, "units": self.units}
 
     def optimizer_state(self) -> dict:
         """Adam moments by unit (tests and checkpoints)."""

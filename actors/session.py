@@ -202,9 +202,6 @@ class TrainingSession:
         self.drain()
         return self._call(self.actors["worker"].logits.remote(tokens))
 
-    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        ray.get(self.actors["store"].load_state_dict.remote(state))
-
     def check_alive(self) -> None:
         """Raise ActorFailure if the store died (the others fail inside the step that needs them)."""
         try:

@@ -7,7 +7,6 @@ writer of weights outside the optimizer shards, and only before training starts.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 import resource
@@ -54,22 +53,6 @@ class ParameterStore:
 
     def handles(self) -> Handles:
         return self.h
-
-    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        """Overwrite master weights (and the compute copy) before training starts."""
-        known = {s.name for u in self.h.units for s in u.params}
-        unknown = sorted(set(state) - known)
-        if unknown:
-            raise KeyError(f"unknown parameter names: {unknown[:5]}")
-        for u in self.h.units:
-            flat = self.buf.master(u.index)
-            for s in u.params:
-                if s.name in state:
-                    t = torch.as_tensor(np.asarray(state[s.name], dtype=np.float32))
-                    if tuple(t.shape) != s.shape:
-                        raise ValueError(f"{s.name}: shape {tuple(t.shape)}, expected {s.shape}")
-                    flat[s.offset:s.offset + s.numel].copy_(t.reshape(-1))
-            self._sync_compute(u.index)
 
     def save(self, folder: str) -> dict:
         """Write the fp32 master weights of every unit as ``master.bin``; returns its part entry."""

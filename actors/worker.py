@@ -427,7 +427,3 @@ class GpuWorker:
         h = rms_norm(h, w["model.norm.weight"], self.mcfg.rms_norm_eps)
         out = we["model.embed_tokens.weight"] if self.mcfg.tie_word_embeddings else w["lm_head.weight"]
         return torch.nn.functional.linear(h, out).float().cpu().numpy()
-
-    def close(self) -> None:
-        self.copy_in.shutdown(wait=False, cancel_futures=True)
-        self.copy_out.shutdown(wait=False, cancel_futures=True)

@@ -81,7 +81,6 @@ def run_baseline(cfg: RunConfig, state, batches, device="cuda") -> dict:
 def bench(shape: str, seq_len: int, tokens_per_step: int, micro_batch: int, steps: int,
           shards: int, threads: int, baseline: bool = True, extra: dict | None = None,
           checkpoint_dir: str | None = None) -> dict:
-    import ray
 
     from megaray.actors.session import TrainingSession
 

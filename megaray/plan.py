@@ -89,7 +89,7 @@ class Plan:
         out = [f"model: {self.params / 1e9:.3f}B parameters; host state {self.host_bytes_per_param:.2f} bytes/param"]
         out += block("host memory", {**self.shm, **self.host_private}, self.host_total,
                      machine.host_bytes if machine else None)
-        out += block(f"  of which shared memory", self.shm, self.shm_total, machine.shm_bytes if machine else None)
+        out += block("  of which shared memory", self.shm, self.shm_total, machine.shm_bytes if machine else None)
         out += block(f"GPU (keeping {self.keep_blocks} blocks' activations)", self.gpu, self.gpu_total,
                      machine.gpu_bytes if machine else None)
         return "\n".join(out)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -221,4 +220,4 @@ def test_sigkilled_driver_leaves_files_a_later_run_removes(tmp_path):
     removed = remove_stale("/dev/shm")
     assert {os.path.basename(p) for p in removed} >= set(left)
     assert shm_files(pid=proc.pid) == []
-    subprocess.run(["pkill", "-9", "-f", f"megaray.pipelines.train debug train.steps=100000"], capture_output=True)
+    subprocess.run(["pkill", "-9", "-f", "megaray.pipelines.train debug train.steps=100000"], capture_output=True)

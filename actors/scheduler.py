@@ -133,6 +133,14 @@ class Scheduler:
         prev = self._pending
         ref = self.worker.run_step.remote(step, tokens)
         res = await self._await_all(("worker", ref), lambda: prev + self._grads.get(step, []))
+        # The previous step's updates have all finished (the worker waited for their
+        # versions); collect them, so a failure among them is reported, never dropped.
+        for label, r in prev:
+            try:
+                await r
+            except Exception as e:
+                self._fail()
+                raise _as_failure(label, e) from None
         # Every gradient of the step has been announced; wait until all reached the shards.
         self._expected[step] = res["grads_sent"]
         if len(self._grads.get(step, [])) == res["grads_sent"]:

@@ -88,7 +88,8 @@ def _scrape(url: str) -> dict[tuple[str, str, str], float]:
 
 
 def test_job_trains_and_exports_metrics(head, tmp_path):
-    _submit(head, "megaray-ok", "debug", "train.steps=400", f"run.dir={tmp_path}")
+    _submit(head, "megaray-ok", "demo", "train.steps=80", "data.max_bytes=500000", "train.eval_batches=1",
+            "checkpoint.every=0", f"run.dir={tmp_path}")
     seen: dict = {}
     t0 = time.time()
     while time.time() - t0 < 240:
@@ -100,14 +101,14 @@ def test_job_trains_and_exports_metrics(head, tmp_path):
         time.sleep(2)
     assert _wait(head, "megaray-ok") == "SUCCEEDED"
     logs = _ray("job", "logs", "megaray-ok", "--address", head["address"]).stdout
-    assert "step 400/400" in logs and "finished; run directory" in logs
+    assert "step 80/80" in logs and "finished; run directory" in logs
     runs = {k[1] for k in seen}
-    assert len(runs) == 1 and next(iter(runs)).startswith("debug-")
+    assert len(runs) == 1 and next(iter(runs)).startswith("demo-")
     v = {(k[0], k[2]): val for k, val in seen.items()}
     assert 0 < v[("ray_megaray_loss", "scheduler")] < 6
     assert v[("ray_megaray_step_time_seconds", "scheduler")] > 0
     assert v[("ray_megaray_tokens_per_second", "scheduler")] > 0
-    assert 0 < v[("ray_megaray_learning_rate", "scheduler")] <= 1e-3
+    assert 0 < v[("ray_megaray_learning_rate", "scheduler")] <= 3e-3
     assert v[("ray_megaray_grad_norm", "scheduler")] > 0
     assert v[("ray_megaray_copy_in_gbps", "scheduler")] > 0
     assert v[("ray_megaray_host_memory_used_bytes", "scheduler")] > 2**20
@@ -115,8 +116,8 @@ def test_job_trains_and_exports_metrics(head, tmp_path):
     for shard in ("optimizer-0", "optimizer-1"):
         assert v[("ray_megaray_optimizer_seconds", shard)] > 0
         assert v[("ray_megaray_optimizer_params_per_second", shard)] > 0
-    (run_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("debug-")]
-    assert (run_dir / "summary.json").is_file()
+    (run_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("demo-")]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded"
 
 
 def test_job_with_bad_config_fails_with_the_error_in_its_logs(head):

@@ -155,16 +155,17 @@ class TrainingSession:
                  self.run_id, handles.num_units, len(shards), self.device)
 
     # ------------------------------------------------------------------ driving
-    def _call(self, ref):
+    def _call(self, ref, who: str = "scheduler"):
+        """ray.get that turns an actor's failure into megaray's own error type."""
         try:
             return ray.get(ref)
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if getattr(e, "cause", None) is not None else e
             if isinstance(cause, MegarayError):
                 raise cause from None
-            raise ActorFailure(self.actor_name("scheduler"), str(cause)) from None
+            raise ActorFailure(self.actor_name(who), str(cause)) from None
         except ray.exceptions.RayActorError as e:
-            raise ActorFailure(self.actor_name("scheduler"), f"actor died: {e}") from None
+            raise ActorFailure(self.actor_name(who), f"actor died: {e}") from None
 
     def train_step(self, step: int, tokens: np.ndarray) -> dict:
         return self._call(self.actors["scheduler"].train_step.remote(step, tokens))
@@ -218,27 +219,18 @@ class TrainingSession:
         self.drain()
         refs = [self.actors["store"].save.remote(folder)] + [a.save.remote(folder, k) for k, a in self._shards()]
         parts: dict = {}
-        for p in self._call_all(refs):
+        for p in self._call(refs, "checkpoint"):
             parts.update(p)
         return parts
 
     def load_parts(self, folder: str, parts: dict, step: int, counters: dict) -> None:
         refs = [self.actors["store"].load.remote(folder, parts, step)] + \
             [a.load.remote(folder, parts) for _, a in self._shards()]
-        self._call_all(refs)
+        self._call(refs, "checkpoint")
         ray.get(self.actors["scheduler"].set_counters.remote(counters))
 
     def counters(self) -> dict:
         return ray.get(self.actors["scheduler"].state.remote())
-
-    def _call_all(self, refs) -> list:
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayTaskError as e:
-            cause = e.cause if getattr(e, "cause", None) is not None else e
-            raise (cause if isinstance(cause, MegarayError) else ActorFailure("checkpoint", str(cause))) from None
-        except ray.exceptions.RayActorError as e:
-            raise ActorFailure("checkpoint", f"actor died: {e}") from None
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:

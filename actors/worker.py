@@ -383,29 +383,18 @@ class GpuWorker:
 
     @torch.no_grad()
     def _evaluate(self, step: int, tokens: np.ndarray) -> dict:
-        timer = _Timer()
         toks = torch.tensor(tokens, dtype=torch.int64).to(self.device)
-        inputs, targets = toks[..., :-1], toks[..., 1:]
-        U, L = len(self.units), self.L
-        nxt = self._stage(0, step, timer)
-        self._ready(nxt, timer)
-        _, we = self._weights(0, grad=False)
-        xs = [embed_forward(we, inputs[m]) for m in range(inputs.shape[0])]
-        for u in range(1, U):
-            nxt = self._stage(u, step, timer)
-            self._ready(nxt, timer)
-            _, w = self._weights(u, grad=False)
-            if u <= L:
-                xs = [block_forward(w, x, self.rope, self.mcfg) for x in xs]
-            self._release(u)
+        targets = toks[..., 1:]
+        xs, wh, we = self._forward_only(step, list(toks[..., :-1]))
         loss, count = 0.0, 0
         chunk = self.cfg.train.loss_chunk_tokens
         for m, x in enumerate(xs):
             xf, tf = x.reshape(-1, x.shape[-1]), targets[m].reshape(-1)
             for c in range(0, xf.shape[0], chunk):
-                ls, n = head_loss_sum(w, we, xf[c:c + chunk], tf[c:c + chunk], self.mcfg)
+                ls, n = head_loss_sum(wh, we, xf[c:c + chunk], tf[c:c + chunk], self.mcfg)
                 loss += float(ls)
                 count += int(n)
+        self._release(len(self.units) - 1)      # after the loss has read the head and embedding
         self._release(0)
         return {"loss_sum": loss, "tokens": count}
 
@@ -413,17 +402,27 @@ class GpuWorker:
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """fp32 logits of a small batch [batch, seq] (tests and interop checks)."""
         step = min(self.buf.version(u.index) for u in self.units)
+        (h,), wh, we = self._forward_only(step, [torch.tensor(tokens, dtype=torch.int64).to(self.device)])
+        h = rms_norm(h, wh["model.norm.weight"], self.mcfg.rms_norm_eps)
+        out = we["model.embed_tokens.weight"] if self.mcfg.tie_word_embeddings else wh["lm_head.weight"]
+        logits = torch.nn.functional.linear(h, out).float().cpu().numpy()
+        self._release(len(self.units) - 1)
+        self._release(0)
+        return logits
+
+    @torch.no_grad()
+    def _forward_only(self, step: int, inputs: list) -> tuple[list, dict, dict]:
+        """Final hidden states of each input through every block, with step ``step``'s weights;
+        also the head's and the embedding's bound weights, still resident: the caller
+        releases those two slots once it has used them."""
         timer = _Timer()
-        x = torch.tensor(tokens, dtype=torch.int64).to(self.device)
         self._ready(self._stage(0, step, timer), timer)
         _, we = self._weights(0, grad=False)
-        h = embed_forward(we, x)
+        xs = [embed_forward(we, x) for x in inputs]
         for u in range(1, len(self.units)):
             self._ready(self._stage(u, step, timer), timer)
             _, w = self._weights(u, grad=False)
             if u <= self.L:
-                h = block_forward(w, h, self.rope, self.mcfg)
-            self._release(u)
-        h = rms_norm(h, w["model.norm.weight"], self.mcfg.rms_norm_eps)
-        out = we["model.embed_tokens.weight"] if self.mcfg.tie_word_embeddings else w["lm_head.weight"]
-        return torch.nn.functional.linear(h, out).float().cpu().numpy()
+                xs = [block_forward(w, x, self.rope, self.mcfg) for x in xs]
+                self._release(u)
+        return xs, w, we

@@ -1,26 +1,30 @@
-"""Scheduler actor: drives steps, routes gradients to optimizer shards, keeps counters.
+"""Scheduler actor: drives steps, watches every actor's calls, keeps counters and metrics.
 
-It is an async actor: while it awaits a step's ``GpuWorker.run_step``, the worker's
-``grad_ready`` notifications run concurrently and are forwarded at once to the shard that
-owns the unit, so a shard starts on a gradient while the GPU computes the layers below.
+It is an async actor and stays off the per-layer path: a step is one ``run_step`` call to
+the worker plus one ``apply`` call to each optimizer shard, all issued at the step's start;
+the worker and the shards then order themselves through the shared control words
+(``megaray.buffers``).
 
 Per step, the scheduler moves through explicit states (``Phase``):
-IDLE -> COMPUTE (worker running; gradients flowing to shards) -> REDUCE (global norm from
-the per-unit squared norms the worker took on the GPU) -> APPLY (shards update, in forward order, overlapping the next
-step's COMPUTE) -> IDLE. With clipping off there is no REDUCE wait: shards update each unit
-as its gradient lands.
+IDLE -> COMPUTE (the worker runs the step's forward and backward; the shards finish the
+previous step's updates, which the forward's first layers wait for, then wait for this
+step's gradients) -> APPLY (the worker has decided the step: the shards update from the
+gradient ring while the next step's COMPUTE begins) -> IDLE once drained.
 
-The ordering guarantee — no layer is read for step t+1 before its step-t update finished — is
-kept by ``version[u]`` in shared memory, written by the shard after the update and checked by
-the worker before staging; the scheduler's part is to hand every gradient over exactly once
-and to abort the run (the shared ``abort`` word) as soon as any actor fails, so nothing
-waits forever on a dead peer.
+The ordering guarantees:
+- no layer is read for step t+1 before its step-t update finished: ``version[p]``, written
+  by the shard after the update and checked by the worker before staging;
+- clipping and skipping are exact: the worker publishes a step's verdict only after the
+  whole backward, when the global norm is known, and gradients leave the GPU already scaled;
+- a gradient slab is overwritten only after its piece was applied: ``slab_piece[s]``;
+- every call of a step is collected during the next one (or by ``drain``), so a failure is
+  reported, never dropped, and any failure aborts the run (the shared ``abort`` word), so
+  nothing waits forever on a dead peer.
 """
 from __future__ import annotations
 
 import asyncio
 import enum
-import math
 import time
 
 import ray
@@ -37,29 +41,8 @@ from .metrics import STEP_GAUGES, RunMetrics, host_memory_used_bytes
 class Phase(enum.Enum):
     IDLE = "idle"
     COMPUTE = "compute"
-    REDUCE = "reduce"
     APPLY = "apply"
     FAILED = "failed"
-
-
-def shard_ranges(num_units: int, num_shards: int, layout: str = "contiguous") -> list[list[int]]:
-    """Split unit indices among shards: contiguous, as-even-as-possible ranges, or interleaved."""
-    if layout == "interleaved":
-        return [list(range(k, num_units, num_shards)) for k in range(num_shards)]
-    base, extra = divmod(num_units, num_shards)
-    out, start = [], 0
-    for k in range(num_shards):
-        n = base + (1 if k < extra else 0)
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
-
-
-def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
-    """torch.nn.utils.clip_grad_norm_'s factor: min(1, max_norm / (norm + 1e-6))."""
-    if max_norm is None:
-        return 1.0
-    return min(1.0, max_norm / (total_norm + 1e-6))
 
 
 class Scheduler:
@@ -70,33 +53,14 @@ class Scheduler:
         self.worker = None
         self.shards: list = []
         self.shard_names: list[str] = []
-        self.owner: dict[int, int] = {}
-        self.apply_now = cfg.optim.clip_grad_norm is None
-        self._pending: list[tuple[str, ray.ObjectRef]] = []   # previous step's apply calls
-        self._grads: dict[int, list[tuple[str, ray.ObjectRef]]] = {}
-        self._arrived: dict[int, asyncio.Event] = {}
-        self._expected: dict[int, int] = {}
-        self._lr: dict[int, float] = {}
-        self.counters = {"steps": 0, "tokens": 0, "skipped_steps": 0, "grads_routed": 0}
+        self._pending: list[tuple[str, ray.ObjectRef]] = []   # the previous step's apply calls
+        self.counters = {"steps": 0, "tokens": 0, "skipped_steps": 0}
         self.metrics = RunMetrics(handles.run_id, "scheduler", STEP_GAUGES, {
             "steps_total": "Training steps completed", "tokens_total": "Training tokens processed",
             "skipped_steps_total": "Steps skipped for a non-finite loss or gradient"})
 
     def attach(self, worker, shards, shard_names: list[str]) -> None:
         self.worker, self.shards, self.shard_names = worker, list(shards), list(shard_names)
-        for k, units in enumerate(shard_ranges(self.h.num_units, len(shards), self.cfg.optim.shard_layout)):
-            for u in units:
-                self.owner[u] = k
-
-    # ---------------------------------------------------------------- gradient routing
-    async def grad_ready(self, step: int, u: int) -> None:
-        k = self.owner[u]
-        ref = self.shards[k].on_grad.remote(step, u, self._lr[step], self.apply_now)
-        self._grads.setdefault(step, []).append((self.shard_names[k], ref))
-        self.counters["grads_routed"] += 1
-        ev = self._arrived.setdefault(step, asyncio.Event())
-        if len(self._grads[step]) == self._expected.get(step, -1):
-            ev.set()
 
     # ---------------------------------------------------------------- steps
     async def _await_all(self, main: tuple[str, ray.ObjectRef], side) -> object:
@@ -124,40 +88,30 @@ class Scheduler:
         self.phase = Phase.FAILED
         self.buf.abort()
 
-    async def train_step(self, step: int, tokens) -> dict:
-        t0 = time.perf_counter()
-        lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
-        self._lr[step] = lr
-        self._arrived.setdefault(step, asyncio.Event())
-        self.phase = Phase.COMPUTE
-        prev = self._pending
-        ref = self.worker.run_step.remote(step, tokens)
-        res = await self._await_all(("worker", ref), lambda: prev + self._grads.get(step, []))
-        # The previous step's updates have all finished (the worker waited for their
-        # versions); collect them, so a failure among them is reported, never dropped.
-        for label, r in prev:
+    async def _collect(self, calls) -> list:
+        out = []
+        for label, r in calls:
             try:
-                await r
+                out.append(await r)
             except Exception as e:
                 self._fail()
                 raise _as_failure(label, e) from None
-        # Every gradient of the step has been announced; wait until all reached the shards.
-        self._expected[step] = res["grads_sent"]
-        if len(self._grads.get(step, [])) == res["grads_sent"]:
-            self._arrived[step].set()
-        await asyncio.wait_for(self._arrived[step].wait(), timeout=self.cfg.worker.wait_timeout_s)
-        self.phase = Phase.REDUCE
-        # on_grad calls are watched for failure during the next step, with the applies.
-        self._pending = self._grads.pop(step)
-        norm = math.sqrt(sum(res["grad_sqnorms"]))
-        finite = math.isfinite(norm) and math.isfinite(res["loss_sum"])
-        coef = clip_coefficient(norm, self.cfg.optim.clip_grad_norm)
-        if not self.apply_now:
-            self.phase = Phase.APPLY
-            self._pending += [(n, s.apply.remote(step, coef, lr, not finite))
-                              for n, s in zip(self.shard_names, self.shards)]
-        for d in (self._lr, self._arrived, self._expected):
-            d.pop(step, None)
+        return out
+
+    async def train_step(self, step: int, tokens) -> dict:
+        t0 = time.perf_counter()
+        lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
+        self.phase = Phase.COMPUTE
+        prev = self._pending
+        applies = [(n, s.apply.remote(step, lr)) for n, s in zip(self.shard_names, self.shards)]
+        ref = self.worker.run_step.remote(step, tokens)
+        res = await self._await_all(("worker", ref), lambda: prev + applies)
+        # The previous step's updates have all finished (the worker waited for their
+        # versions); collect them, so a failure among them is reported, never dropped.
+        done = await self._collect(prev)
+        self._pending = applies
+        self.phase = Phase.APPLY
+        norm, finite, coef = res["grad_norm"], res["applied"], res["clip_coef"]
         self.counters["steps"] += 1
         self.counters["tokens"] += res["tokens"]
         self.counters["skipped_steps"] += 0 if finite else 1
@@ -170,7 +124,12 @@ class Scheduler:
             "tflops": flops_per_step(self.cfg.model, tokens_per_step, self.cfg.train.seq_len) / dt / 1e12,
         }
         metrics.update({f"worker/{k}": v for k, v in res.items()
-                        if k not in ("loss_sum", "tokens", "grad_sqnorms")})
+                        if k not in ("loss_sum", "tokens", "grad_norm", "clip_coef", "applied")})
+        worked = [d for d in done if d["update_s"] > 0]
+        if worked:   # the previous step's updates, summed over the shards
+            metrics["optimizer_params_per_s"] = sum(d["params"] / d["update_s"] for d in worked)
+            metrics["optimizer_update_s"] = max(d["update_s"] for d in worked)
+        metrics["gpu_idle_s"] = max(0.0, dt - res.get("compute_s", 0.0))
         metrics.update({
             "copy_in_gbps": res.get("copy_in_bytes", 0) / max(res.get("copy_in_s", 0), 1e-9) / 1e9,
             "copy_out_gbps": res.get("copy_out_bytes", 0) / max(res.get("copy_out_s", 0), 1e-9) / 1e9,
@@ -185,7 +144,6 @@ class Scheduler:
                          host_memory_used_bytes=metrics["host_memory_used_bytes"],
                          gpu_memory_peak_bytes=metrics["gpu_memory_peak_bytes"])
         self.metrics.inc(steps_total=1, tokens_total=res["tokens"], skipped_steps_total=0 if finite else 1)
-        self.phase = Phase.APPLY if self._pending else Phase.IDLE
         return metrics
 
     async def evaluate(self, step: int, tokens) -> float:
@@ -195,9 +153,10 @@ class Scheduler:
 
     async def drain(self) -> None:
         """Wait for every outstanding optimizer update."""
-        for label, r in self._pending:
-            await self._await_all((label, r), lambda: [])
-        self._pending = []
+        pending, self._pending = self._pending, []
+        for label, r in pending:
+            await self._await_all((label, r), lambda: pending)
+        await self._collect(pending)
         self.phase = Phase.IDLE
 
     def state(self) -> dict:

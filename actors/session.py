@@ -18,13 +18,13 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from megaray.buffers import RunBuffers
+from megaray.buffers import RunBuffers, assign_pieces
 from megaray.config import RunConfig
 from megaray.errors import ActorFailure, MegarayError
 from megaray.shm import remove_run, remove_stale
 
 from .optimizer import OptimizerShard
-from .scheduler import Scheduler, shard_ranges
+from .scheduler import Scheduler
 from .store import ParameterStore
 from .worker import GpuWorker
 
@@ -134,13 +134,13 @@ class TrainingSession:
         self.actors["scheduler"] = sched
         worker = spawn(GpuWorker, "worker", num_cpus=cfg.worker.threads,
                        num_gpus=1 if self.device == "cuda" else 0).remote(
-            cfg, handles, self.device, self.actor_name("worker"), self.actor_name("scheduler"), NAMESPACE)
+            cfg, handles, self.device, self.actor_name("worker"))
         self.actors["worker"] = worker
         shards, names = [], []
-        for k, units in enumerate(shard_ranges(handles.num_units, o.num_shards, o.shard_layout)):
+        for k, pieces in enumerate(assign_pieces(len(handles.pieces), o.num_shards, o.shard_layout)):
             name = self.actor_name(f"optimizer-{k}")
             shard = spawn(OptimizerShard, f"optimizer-{k}", num_cpus=o.threads_per_shard).remote(
-                cfg, handles, units, name)
+                cfg, handles, pieces, name)
             self.actors[f"optimizer-{k}"] = shard
             shards.append(shard)
             names.append(name)
@@ -151,8 +151,9 @@ class TrainingSession:
             except ray.exceptions.RayError as e:
                 raise ActorFailure(self.actor_name(role), f"failed to start: {e}") from None
         ray.get(sched.attach.remote(worker, shards, names))
-        log.info("run %s: %d layer units, %d optimizer shards, worker on %s",
-                 self.run_id, handles.num_units, len(shards), self.device)
+        log.info("run %s: %d layer units in %d gradient pieces, %d optimizer shards, a ring of %d x %.1f MiB "
+                 "gradient slabs, worker on %s", self.run_id, handles.num_units, len(handles.pieces), len(shards),
+                 handles.ring_slabs, handles.slab_bytes / 2**20, self.device)
 
     # ------------------------------------------------------------------ driving
     def _call(self, ref, who: str = "scheduler"):
@@ -191,11 +192,9 @@ class TrainingSession:
         return out
 
     def gradients(self) -> dict[str, np.ndarray]:
-        """The last step's fp32 gradients by name, as the worker wrote them (tests; clipping
-        off, since the fused clip scales them in place)."""
-        self.drain()
-        grads = RunBuffers(self.handles, kinds=("grad",))
-        return {s.name: grads.grad(u.index)[s.offset:s.offset + s.numel].view(s.shape).numpy().copy()
+        """The last step's unclipped fp32 gradients by name (needs ``debug.keep_gradients``)."""
+        by_unit = self._call(self.actors["worker"].gradients.remote(), "worker")
+        return {s.name: by_unit[u.index][s.offset:s.offset + s.numel].reshape(s.shape)
                 for u in self.handles.units for s in u.params}
 
     def logits(self, tokens: np.ndarray) -> np.ndarray:

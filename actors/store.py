@@ -1,6 +1,6 @@
 """ParameterStore actor: owns a run's shared-memory files and initializes the weights.
 
-It creates the master, compute-copy, gradient and control files, fills the master weights
+It creates the master, compute-copy, gradient-ring and control files, fills the master weights
 from a Hugging Face directory (``model.from``) or deterministically from the seed (each unit from its own generator, so the result does not
 depend on sharding), casts the compute copy, and publishes ``Handles``. It is the only
 writer of weights outside the optimizer shards, and only before training starts.
@@ -27,7 +27,7 @@ class ParameterStore:
         torch.set_num_threads(1)
         self.cfg = cfg
         units = build_layout(cfg.model)
-        self.h = Handles.plan(run_id, owner_pid, cfg.cluster.shm_dir, cfg.train.compute_dtype, units)
+        self.h = Handles.for_config(cfg, run_id, owner_pid, units)
         self.buf = RunBuffers(self.h, create=True)
         t0 = time.perf_counter()
         if cfg.model.from_path:
@@ -61,15 +61,14 @@ class ParameterStore:
 
     def load(self, folder: str, parts: dict, step: int) -> None:
         """Read ``master.bin`` (verifying its checksum), refresh the compute copy, and mark
-        every unit as updated through ``step`` steps so the worker may read it for ``step``."""
+        every piece as updated through ``step`` steps so the worker may read it for ``step``."""
         if "master.bin" not in parts:
             raise CheckpointError(f"{folder}: the manifest lists no master.bin")
         out = memoryview(self.buf.files["master"].bytes.numpy())[: self.h.master_bytes]
         read_into(Path(folder) / "master.bin", out, parts["master.bin"])
         for u in self.h.units:
             self._sync_compute(u.index)
-            self.buf.set_version(u.index, step)
-            self.buf.set_grad_state(u.index, 0)
+        self.buf.reset(step)
 
     def ping(self) -> bool:
         return True

@@ -4,8 +4,7 @@ One ``run_step`` call runs a step's forward and backward over all its micro-batc
 layer-major: while a unit's weights are on the device every micro-batch passes through it,
 so weights cross the host link a fixed number of times per step however many tokens it has.
 No Ray call sits on the per-layer path: the worker orders itself against the optimizer
-shards through the shared control words (``megaray.buffers``), and tells the scheduler that
-a gradient is ready with a fire-and-forget call.
+shards through the shared control words (``megaray.buffers``) alone.
 
 Double buffering: block units alternate between two device buffers; the embedding and the
 head have one each. While unit i computes, a copy thread stages unit i+1 into the other
@@ -16,24 +15,35 @@ CPU the same thread schedule runs with plain copies, so CI exercises the same or
 Backward recomputes each block from its saved input, except the last K blocks, whose
 internals (and a private device copy of their weights) stay resident from the forward:
 K is ``worker.keep_activations`` or, when unset, what free GPU memory holds
-(``megaray.memory``). Backward accumulates the unit's flat fp32 gradient over micro-batches, and hands it to a
-copy-out thread that writes it to the unit's shared gradient region and notifies the
-scheduler. The loss is a token-sum computed in chunks and scaled by 1/(tokens in the step),
-so accumulation over micro-batches equals one big batch exactly.
+(``megaray.memory``). Backward accumulates each unit's flat fp32 gradient over the
+micro-batches on the device, and takes its squared norm there. When the backward ends the
+global norm is known: the worker publishes the step's verdict (applied, or skipped when the
+loss or norm is not finite), scales every gradient by the exact clip coefficient on the
+device, and returns; a copy-out thread then streams the gradients, in forward order and in
+slab-sized pieces, through the pinned gradient ring to the optimizer shards, while the next
+step's forward begins (its first layers wait only for their own pieces' updates). The loss
+is a token-sum computed in chunks and scaled by 1/(tokens in the step), so accumulation over
+micro-batches equals one big batch exactly.
+
+Time accounting: on CUDA every compute region (a unit's forward, the head, a unit's
+backward) is bracketed by events on the compute stream, so ``compute_s`` is the GPU's busy
+time and a step's GPU idle time is the step time minus it.
 """
 from __future__ import annotations
 
 import time
+import math
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
-import ray
 import torch
 
 from megaray.buffers import DTYPES, Handles, RunBuffers
 from megaray.config import RunConfig
 from megaray.errors import ActorFailure, InjectedFault, RunAborted
 from megaray.memory import keep_blocks
+from megaray.schedule import clip_coefficient
 from megaray.model import (IGNORE_INDEX, bind, block_forward, embed_forward, head_loss_sum, rms_norm,
                            rope_tables)
 
@@ -47,19 +57,16 @@ class _Timer:
 
 
 class GpuWorker:
-    def __init__(self, cfg: RunConfig, handles: Handles, device: str, name: str, scheduler_name: str,
-                 namespace: str):
+    def __init__(self, cfg: RunConfig, handles: Handles, device: str, name: str):
         self.cfg, self.h, self.name = cfg, handles, name
         self.mcfg = cfg.model
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         torch.set_num_threads(cfg.worker.threads)
-        self.buf = RunBuffers(handles, kinds=("master", "compute", "grad", "control"))
+        self.buf = RunBuffers(handles, kinds=("master", "compute", "ring", "control"))
         self.dtype = DTYPES[cfg.train.compute_dtype]
         self.units = handles.units
         self.L = self.mcfg.num_hidden_layers
-        self._scheduler_name, self._namespace = scheduler_name, namespace
-        self._scheduler = None
         if self.cuda:
             self._pin()
             self.copy_stream = torch.cuda.Stream(self.device)
@@ -76,7 +83,11 @@ class GpuWorker:
         self.rope = rope_tables(self.mcfg, self.mcfg.max_position_embeddings, self.device, torch.float32)
         self._auto_keep: int | None = None
         self._copy_events: list = []
+        self._spans: list = []
         self._kept_bufs: list[torch.Tensor] = []
+        self._shipping: Future | None = None      # the previous step's gradients leaving
+        self._out_stats: dict[str, float] = {}
+        self._last_grads: dict[int, np.ndarray] = {}
         self.copy_in = ThreadPoolExecutor(1, thread_name_prefix="copy-in")
         self.copy_out = ThreadPoolExecutor(1, thread_name_prefix="copy-out")
 
@@ -84,17 +95,11 @@ class GpuWorker:
     def _pin(self) -> None:
         """Register every shared file the GPU reads or writes, once for the whole run."""
         cudart = torch.cuda.cudart()
-        for kind in ("compute" if not self.h.aliased else "master", "grad"):
+        for kind in ("compute" if not self.h.aliased else "master", "ring"):
             t = self.buf.files[kind].bytes
             err = cudart.cudaHostRegister(t.data_ptr(), t.numel(), 0)
             if int(err) != 0:
                 raise RuntimeError(f"cudaHostRegister of {kind} ({t.numel()} bytes) failed: {err}")
-
-    @property
-    def scheduler(self):
-        if self._scheduler is None:
-            self._scheduler = ray.get_actor(self._scheduler_name, namespace=self._namespace)
-        return self._scheduler
 
     def _keep_count(self, tokens_per_step: int) -> int:
         """Blocks whose activations stay resident: the config's number, or what fits."""
@@ -105,9 +110,11 @@ class GpuWorker:
             return 0
         if self._auto_keep is None:
             free, _ = torch.cuda.mem_get_info(self.device)
-            # Room for the saved block inputs, gradients, the loss chunks and the allocator.
+            # Room for the saved block inputs, the step's fp32 gradients (held until the
+            # norm is known), the loss chunks and the allocator.
             inputs = (self.L + 1) * tokens_per_step * self.mcfg.hidden_size * self.dtype.itemsize
-            reserve = int(0.1 * free) + 2 * inputs + 6 * 2**30
+            grads = 4 * sum(u.numel for u in self.units)
+            reserve = int(0.1 * free) + 2 * inputs + grads + 6 * 2**30
             self._auto_keep = keep_blocks(self.mcfg, tokens_per_step, self.dtype.itemsize, free, reserve)
         return self._auto_keep
 
@@ -133,7 +140,7 @@ class GpuWorker:
 
         def work():
             timer.add("wait_optimizer_s", self.buf.wait(
-                lambda: self.buf.version(u) >= step, f"optimizer update of {self.units[u].name} for step {step}",
+                lambda: self.buf.unit_version(u) >= step, f"optimizer update of {self.units[u].name} for step {step}",
                 self.cfg.worker.wait_timeout_s))
             src, dst = self.buf.compute(u), self.slots[slot][: self.units[u].numel]
             timer.add("copy_in_bytes", src.numel() * src.element_size())
@@ -175,39 +182,58 @@ class GpuWorker:
             flat = flat.detach().requires_grad_()
         return flat, bind(flat, self.units[u])
 
-    def _send_grad(self, u: int, step: int, g: torch.Tensor, sqnorms: dict, timer: _Timer) -> Future:
-        """Copy unit u's flat fp32 gradient to shared memory, then tell the scheduler.
-
-        The gradient's squared norm is taken where the gradient is (on the GPU), so the
-        global norm for clipping is known the moment the backward ends.
-        """
-        sqnorms[u] = torch.linalg.vector_norm(g).square()
-        ev = None
+    @contextmanager
+    def _span(self):
+        """Bracket a compute region: CUDA events on the compute stream, or wall time on the CPU."""
         if self.cuda:
-            ev = torch.cuda.Event()
-            ev.record(self.compute_stream)
-            g.record_stream(self.out_stream)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(self.compute_stream)
+            yield
+            b.record(self.compute_stream)
+            self._spans.append((a, b))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._spans.append(time.perf_counter() - t0)
 
-        def work():
-            timer.add("wait_grad_free_s", self.buf.wait(
-                lambda: self.buf.grad_state(u) == 0, f"gradient region of {self.units[u].name}",
-                self.cfg.worker.wait_timeout_s))
-            dst = self.buf.grad(u)
-            if self.cuda:
-                ev.synchronize()                    # the backward of unit u has finished
+    def _ship(self, step: int, grads: list, ready) -> None:
+        """Copy-out thread: every piece of the step's (clipped) gradients into its ring slab,
+        in forward order; each slab is handed to its shard as soon as its copy has landed."""
+        R, st = self.h.ring_slabs, self._out_stats
+        try:
+            if ready is not None:
+                self.out_stream.wait_event(ready)
+            last = {p.unit: p.index for p in self.h.pieces}
+            for piece in self.h.pieces:
+                s = piece.index % R
+                st["wait_slab_s"] = st.get("wait_slab_s", 0.0) + self.buf.wait(
+                    lambda: self.buf.slab_piece(s) == 0, f"gradient slab {s} (for piece {piece.index} of step {step})",
+                    self.cfg.worker.wait_timeout_s)
+                src, dst = grads[piece.unit][piece.start:piece.stop], self.buf.slab(s, piece.numel)
                 t0 = time.perf_counter()
-                with torch.cuda.stream(self.out_stream):
-                    dst.copy_(g, non_blocking=True)
-                self.out_stream.synchronize()
-            else:
-                t0 = time.perf_counter()
-                dst.copy_(g)
-            timer.add("copy_out_s", time.perf_counter() - t0)
-            timer.add("copy_out_bytes", g.numel() * g.element_size())
-            self.buf.set_grad_state(u, 1)
-            self.scheduler.grad_ready.remote(step, u)
+                if self.cuda:
+                    with torch.cuda.stream(self.out_stream):
+                        dst.copy_(src, non_blocking=True)
+                    self.out_stream.synchronize()
+                else:
+                    dst.copy_(src)
+                st["copy_out_s"] = st.get("copy_out_s", 0.0) + time.perf_counter() - t0
+                st["copy_out_bytes"] = st.get("copy_out_bytes", 0) + 4 * piece.numel
+                self.buf.fill_slab(s, piece.index, step)
+                if last[piece.unit] == piece.index:
+                    grads[piece.unit] = None                # its device memory goes back now
+        except RunAborted:
+            raise
+        except BaseException:
+            self.buf.abort()
+            raise
 
-        return self.copy_out.submit(work)
+    def _shipping_error(self) -> str | None:
+        """Why the copy-out of gradients failed, when that is what aborted the run."""
+        f = self._shipping
+        if f is not None and f.done() and f.exception() is not None and not isinstance(f.exception(), RunAborted):
+            return f"gradient copy-out failed: {type(f.exception()).__name__}: {f.exception()}"
+        return None
 
     # ------------------------------------------------------------------ steps
     def run_step(self, step: int, tokens: np.ndarray) -> dict:
@@ -218,7 +244,7 @@ class GpuWorker:
                 raise InjectedFault(f"injected crash at step {step}")
             return self._run_step(step, tokens)
         except RunAborted as e:
-            raise ActorFailure(self.name, str(e), step) from None
+            raise ActorFailure(self.name, self._shipping_error() or str(e), step) from None
         except Exception as e:
             self.buf.abort()
             raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
@@ -226,7 +252,9 @@ class GpuWorker:
     def _run_step(self, step: int, tokens: np.ndarray) -> dict:
         t_start = time.perf_counter()
         timer = _Timer()
-        self._copy_events = []
+        if self._shipping is not None and self._shipping.done():
+            self._shipping.result()             # raise the previous step's copy-out failure, if any
+        self._copy_events, self._spans = [], []
         toks = torch.tensor(tokens, dtype=torch.int64).to(self.device, non_blocking=True)
         inputs, targets = toks[..., :-1], toks[..., 1:]
         M = inputs.shape[0]
@@ -235,8 +263,7 @@ class GpuWorker:
         if step in self.cfg.debug.nonfinite_steps:       # tests of step skipping
             inv_n = float("nan")
         U, L = len(self.units), self.L
-        sends: list[Future] = []
-        sqnorms: dict[int, torch.Tensor] = {}
+        grads: list[torch.Tensor | None] = [None] * U
 
         # ---- forward: embedding, blocks, saving each block's input
         t0 = time.perf_counter()
@@ -246,7 +273,7 @@ class GpuWorker:
         acts: list[list[torch.Tensor]] = [[None] * M for _ in range(L + 1)]
         keep_from = L - self._keep_count(M * inputs[0].numel())
         kept: dict[int, tuple] = {}     # block -> (flat leaf, [(x, y) per micro-batch])
-        with torch.no_grad():
+        with torch.no_grad(), self._span():
             _, we = self._weights(0, grad=False)
             for m in range(M):
                 acts[0][m] = embed_forward(we, inputs[m])
@@ -255,7 +282,7 @@ class GpuWorker:
             self._ready(nxt, timer)
             nxt = self._stage(u + 1, step, timer)           # next block, or the head
             if i < keep_from:
-                with torch.no_grad():
+                with torch.no_grad(), self._span():
                     _, w = self._weights(u, grad=False)
                     for m in range(M):
                         acts[i + 1][m] = block_forward(w, acts[i][m], self.rope, self.mcfg)
@@ -263,11 +290,11 @@ class GpuWorker:
                 # Keep this block's internals (and a private copy of its weights, since
                 # the slot is refilled) so its backward needs no recomputation.
                 buf = self._kept_buffer(i - keep_from)
-                buf.copy_(self.slots[self._slot_name(u)][: self.units[u].numel])
-                flat = buf.detach().requires_grad_()
-                w = bind(flat, self.units[u])
                 pairs = []
-                with torch.enable_grad():
+                with torch.enable_grad(), self._span():
+                    buf.copy_(self.slots[self._slot_name(u)][: self.units[u].numel])
+                    flat = buf.detach().requires_grad_()
+                    w = bind(flat, self.units[u])
                     for m in range(M):
                         x = acts[i][m].detach().requires_grad_()
                         y = block_forward(w, x, self.rope, self.mcfg)
@@ -282,94 +309,159 @@ class GpuWorker:
         self._ready(nxt, timer)
         if L and L - 1 < keep_from:
             nxt = self._stage(L, step, timer)               # the last block, still resident
-        head_flat, wh = self._weights(U - 1, grad=True)
         tied = self.mcfg.tie_word_embeddings
-        emb_flat, we = self._weights(0, grad=True) if tied else (None, None)
         g_head = torch.zeros(self.units[-1].numel, dtype=torch.float32, device=self.device)
         g_embed = torch.zeros(self.units[0].numel, dtype=torch.float32, device=self.device)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         dys: list[torch.Tensor] = [None] * M
         chunk = self.cfg.train.loss_chunk_tokens
-        for m in range(M):
-            x = acts[L][m]
-            acts[L][m] = None
-            b, s, hdim = x.shape
-            xf, tf = x.reshape(b * s, hdim), targets[m].reshape(b * s)
-            dx = torch.empty_like(xf)
-            for c in range(0, b * s, chunk):
-                xc = xf[c:c + chunk].detach().requires_grad_()
-                loss, _ = head_loss_sum(wh, we, xc, tf[c:c + chunk], self.mcfg)
-                ins = [head_flat, xc] + ([emb_flat] if tied else [])
-                grads = torch.autograd.grad(loss * inv_n, ins)
-                g_head += grads[0]
-                dx[c:c + chunk] = grads[1]
-                if tied:
-                    g_embed += grads[2]
-                loss_sum += loss.detach().double() * (1.0 if inv_n == inv_n else float("nan"))
-            dys[m] = dx.view(b, s, hdim)
+        with self._span():
+            head_flat, wh = self._weights(U - 1, grad=True)
+            emb_flat, we = self._weights(0, grad=True) if tied else (None, None)
+            for m in range(M):
+                x = acts[L][m]
+                acts[L][m] = None
+                b, s, hdim = x.shape
+                xf, tf = x.reshape(b * s, hdim), targets[m].reshape(b * s)
+                dx = torch.empty_like(xf)
+                for c in range(0, b * s, chunk):
+                    xc = xf[c:c + chunk].detach().requires_grad_()
+                    loss, _ = head_loss_sum(wh, we, xc, tf[c:c + chunk], self.mcfg)
+                    ins = [head_flat, xc] + ([emb_flat] if tied else [])
+                    gs = torch.autograd.grad(loss * inv_n, ins)
+                    g_head += gs[0]
+                    dx[c:c + chunk] = gs[1]
+                    if tied:
+                        g_embed += gs[2]
+                    loss_sum += loss.detach().double() * (1.0 if inv_n == inv_n else float("nan"))
+                dys[m] = dx.view(b, s, hdim)
         self._release(U - 1)
-        sends.append(self._send_grad(U - 1, step, g_head, sqnorms, timer))
+        grads[U - 1] = g_head
         timer.add("head_s", time.perf_counter() - t0)
 
         # ---- backward through the blocks, recomputing each from its saved input
         t0 = time.perf_counter()
         for i in reversed(range(L)):
             u = i + 1
-            g = torch.zeros(self.units[u].numel, dtype=torch.float32, device=self.device)
             if i in kept:
                 flat, pairs = kept.pop(i)
                 if i - 1 == keep_from - 1 and i > 0:
                     nxt = self._stage(u - 1, step, timer)   # first recomputed block below
-                for m, (x, y) in enumerate(pairs):
-                    gw, gx = torch.autograd.grad(y, [flat, x], grad_outputs=dys[m])
-                    g += gw
-                    dys[m] = gx
-                    acts[i][m] = None
+                with self._span():
+                    g = torch.zeros(self.units[u].numel, dtype=torch.float32, device=self.device)
+                    for m, (x, y) in enumerate(pairs):
+                        gw, gx = torch.autograd.grad(y, [flat, x], grad_outputs=dys[m])
+                        g += gw
+                        dys[m] = gx
+                        acts[i][m] = None
                 del pairs, flat
             else:
                 self._ready(nxt, timer)
                 if i > 0:
                     nxt = self._stage(u - 1, step, timer)
-                flat, w = self._weights(u, grad=True)
-                for m in range(M):
-                    x = acts[i][m].detach().requires_grad_()
-                    acts[i][m] = None
-                    with torch.enable_grad():
-                        y = block_forward(w, x, self.rope, self.mcfg)
-                        gw, gx = torch.autograd.grad(y, [flat, x], grad_outputs=dys[m])
-                    g += gw
-                    dys[m] = gx
+                with self._span():
+                    g = torch.zeros(self.units[u].numel, dtype=torch.float32, device=self.device)
+                    flat, w = self._weights(u, grad=True)
+                    for m in range(M):
+                        x = acts[i][m].detach().requires_grad_()
+                        acts[i][m] = None
+                        with torch.enable_grad():
+                            y = block_forward(w, x, self.rope, self.mcfg)
+                            gw, gx = torch.autograd.grad(y, [flat, x], grad_outputs=dys[m])
+                        g += gw
+                        dys[m] = gx
                 self._release(u)
-            sends.append(self._send_grad(u, step, g, sqnorms, timer))
+            grads[u] = g
         # ---- the embedding: its lookup gradient (plus the tied head's contribution)
-        emb_flat, we = self._weights(0, grad=True)
-        for m in range(M):
-            with torch.enable_grad():
-                y = embed_forward(we, inputs[m])
-                (gw,) = torch.autograd.grad(y, [emb_flat], grad_outputs=dys[m])
-            g_embed += gw
+        with self._span():
+            emb_flat, we = self._weights(0, grad=True)
+            for m in range(M):
+                with torch.enable_grad():
+                    y = embed_forward(we, inputs[m])
+                    (gw,) = torch.autograd.grad(y, [emb_flat], grad_outputs=dys[m])
+                g_embed += gw
         self._release(0)
-        sends.append(self._send_grad(0, step, g_embed, sqnorms, timer))
+        grads[0] = g_embed
         timer.add("backward_s", time.perf_counter() - t0)
 
-        loss_total = float(loss_sum)
-        if self.cuda:
-            torch.cuda.current_stream(self.device).synchronize()
+        # ---- the step's verdict, exact clipping, and the gradients' way out
         t0 = time.perf_counter()
-        for f in sends:
-            f.result()
-        timer.add("drain_copy_out_s", time.perf_counter() - t0)
-        if self.cuda:   # copy-in time on the copy stream, from its events
+        with self._span():
+            sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads])
+        sq = sq.cpu()                                       # waits for the backward to finish
+        loss_total = float(loss_sum)
+        norm = math.sqrt(float(sq.sum()))
+        finite = math.isfinite(norm) and math.isfinite(loss_total)
+        coef = clip_coefficient(norm, self.cfg.optim.clip_grad_norm) if finite else 0.0
+        if self.cfg.debug.keep_gradients:
+            self._last_grads = {u: g.cpu().numpy() for u, g in enumerate(grads)}
+        if finite:
+            if coef != 1.0:
+                with self._span():
+                    for g in grads:
+                        g.mul_(coef)
+            ready = None
+            if self.cuda:
+                ready = torch.cuda.Event()
+                ready.record(self.compute_stream)
+                for g in grads:
+                    g.record_stream(self.out_stream)
+            self.buf.decide(step, True)
+            self._shipping = self.copy_out.submit(self._ship, step, grads, ready)
+        else:
+            self.buf.decide(step, False)
+        del grads
+        timer.add("reduce_s", time.perf_counter() - t0)
+        if self.cuda:   # copy-in time on the copy stream, and compute time, from their events
             self.copy_stream.synchronize()
+            self.compute_stream.synchronize()
             timer.add("copy_in_s", sum(a.elapsed_time(b) for a, b in self._copy_events) / 1e3)
-        sq = torch.stack([sqnorms[u] for u in range(U)]).double().cpu().tolist()
-        out = {"loss_sum": loss_total, "tokens": n_tokens, "grads_sent": len(sends), "grad_sqnorms": sq,
-               "kept_blocks": L - keep_from,
-               "worker_s": time.perf_counter() - t_start}
+            timer.add("compute_s", sum(a.elapsed_time(b) for a, b in self._spans) / 1e3)
+        else:
+            timer.add("compute_s", sum(self._spans))
+        out = {"loss_sum": loss_total, "tokens": n_tokens, "grad_norm": norm, "clip_coef": coef,
+               "applied": finite, "kept_blocks": L - keep_from, "worker_s": time.perf_counter() - t_start}
         out.update(timer.t)
+        # Copy-out of earlier steps' gradients (it runs on, behind this step's return).
+        out.update(self._out_stats)
+        self._out_stats = {}
         if self.cuda:
             out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return out
+
+    def link_speed(self, repeats: int = 5) -> dict:
+        """Copy-in and copy-out bandwidth of the pinned buffers measured alone (nothing else
+        running): every block's compute copy host->device, and slab-sized pieces
+        device->host into the gradient ring (benchmarks; call between steps)."""
+        units = [u for u in self.units if u.kind == "block"] or list(self.units)
+        dst = self.slots["block0"]
+        g = torch.zeros(self.h.slab_numel, dtype=torch.float32, device=self.device)
+
+        def timed(fn) -> float:
+            fn()                                            # warm-up
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            return (time.perf_counter() - t0) / repeats
+
+        self.slot_unit["block0"] = -1                       # its contents are overwritten below
+        with torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext():
+            t_in = timed(lambda: [dst[: u.numel].copy_(self.buf.compute(u.index), non_blocking=True) for u in units])
+            slabs = [self.buf.slab(k) for k in range(self.h.ring_slabs)]
+            n_out = max(1, sum(u.numel for u in units) // self.h.slab_numel)
+            t_out = timed(lambda: [slabs[k % len(slabs)].copy_(g, non_blocking=True) for k in range(n_out)])
+        bytes_in = sum(u.numel for u in units) * self.dtype.itemsize
+        return {"copy_in_gbps": bytes_in / t_in / 1e9, "copy_out_gbps": n_out * 4 * self.h.slab_numel / t_out / 1e9}
+
+    def gradients(self) -> dict[int, np.ndarray]:
+        """The last step's unclipped fp32 gradients by unit (needs ``debug.keep_gradients``)."""
+        if not self.cfg.debug.keep_gradients:
+            raise RuntimeError("gradients() needs debug.keep_gradients: true")
+        return self._last_grads
 
     def evaluate(self, step: int, tokens: np.ndarray) -> dict:
         """Forward-only loss on tokens [micro_batches, batch, seq + 1] with step ``step``'s weights."""
@@ -401,7 +493,7 @@ class GpuWorker:
     @torch.no_grad()
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """fp32 logits of a small batch [batch, seq] (tests and interop checks)."""
-        step = min(self.buf.version(u.index) for u in self.units)
+        step = min(self.buf.unit_version(u.index) for u in self.units)
         (h,), wh, we = self._forward_only(step, [torch.tensor(tokens, dtype=torch.int64).to(self.device)])
         h = rms_norm(h, wh["model.norm.weight"], self.mcfg.rms_norm_eps)
         out = we["model.embed_tokens.weight"] if self.mcfg.tie_word_embeddings else wh["lm_head.weight"]

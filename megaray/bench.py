@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import time
 
 import numpy as np
+import ray
 import torch
 import torch.nn as nn
 
@@ -49,19 +51,27 @@ class BaselineLlama(nn.Module):
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def run_baseline(cfg: RunConfig, state, batches, device="cuda") -> dict:
+def run_baseline(cfg: RunConfig, state, batches, device: str = "cuda") -> dict:
+    """Train the baseline on ``batches`` [grad_accum, micro_batch, seq + 1]: bf16 autocast on
+    CUDA (fp32 on the CPU), loss divided by the micro-batches, exact clipping, fused AdamW."""
+    cuda = device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     model = BaselineLlama(cfg.model, state, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                            weight_decay=cfg.optim.weight_decay, fused=True)
-    torch.cuda.reset_peak_memory_stats()
+    o = cfg.optim
+    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": o.weight_decay},
+              {"params": [p for p in model.parameters() if p.ndim < 2],
+               "weight_decay": o.weight_decay if o.decay_norms_and_biases else 0.0}]
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=True)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
     for tok in batches:
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         t = torch.as_tensor(tok, device=device)
         total = 0.0
         for m in range(t.shape[0]):
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
                 loss = model(t[m, :, :-1], t[m, :, 1:]) / t.shape[0]
             loss.backward()
             total += loss.detach()
@@ -70,20 +80,18 @@ def run_baseline(cfg: RunConfig, state, batches, device="cuda") -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(float(total))
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
     del model, opt
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     return {"times": times, "losses": losses, "gpu_peak_gib": peak / 2**30}
 
 
-def bench(shape: str, seq_len: int, tokens_per_step: int, micro_batch: int, steps: int,
-          shards: int, threads: int, baseline: bool = True, extra: dict | None = None,
-          checkpoint_dir: str | None = None) -> dict:
-
-    from megaray.actors.session import TrainingSession
-
+def bench_config(shape: str, seq_len: int, tokens_per_step: int, micro_batch: int, steps: int, shards: int,
+                 threads: int, extra: dict | None = None) -> RunConfig:
+    """The megaray config a bench runs: bf16 compute on CUDA, constant lr, clipping at 1.0."""
     ga = tokens_per_step // (seq_len * micro_batch)
     data = {
         "model": {"shape": shape},
@@ -92,21 +100,59 @@ def bench(shape: str, seq_len: int, tokens_per_step: int, micro_batch: int, step
         "optim": {"lr": 1e-4, "warmup_steps": 0, "schedule": "constant", "num_shards": shards,
                   "threads_per_shard": threads, "clip_grad_norm": 1.0},
         "worker": {"device": "cuda", "threads": 2},
+        "cluster": {"num_cpus": 2 * (os.cpu_count() or 1)},
     }
     for k, v in (extra or {}).items():
         sec, key = k.split(".", 1)
         data.setdefault(sec, {})[key] = v
-    cfg = build_config(data)
-    rng = np.random.default_rng(0)
-    batches = [rng.integers(0, cfg.model.vocab_size, (ga, micro_batch, seq_len + 1)) for _ in range(steps)]
-    flops = flops_per_step(cfg.model, tokens_per_step, seq_len)
+    return build_config(data)
+
+
+def _median_step(ms: list[dict]) -> dict:
+    """The step with the median step time among the warm ones (its parts add up to it)."""
+    warm = ms[1:] if len(ms) > 1 else ms
+    return sorted(warm, key=lambda m: m["step_time_s"])[len(warm) // 2]
+
+
+def breakdown(m: dict) -> dict:
+    """Where one step's time went; the first three parts add up to the step time exactly.
+
+    - compute: the GPU's busy time (CUDA events around every compute region);
+    - GPU idle waiting for the optimizer: the time the worker waited for a layer's update
+      (the copy-in cannot start before it), at most the idle time;
+    - GPU idle, other: the rest of the idle time (copy-in not yet landed, kernel launch gaps,
+      the verdict's synchronization, the Ray call that starts the step).
+    Copy-in, copy-out and the optimizer's update time overlap compute; they are listed after.
+    """
+    step, compute = m["step_time_s"], m.get("worker/compute_s", 0.0)
+    idle = max(0.0, step - compute)
+    opt_wait = min(idle, m.get("worker/wait_optimizer_s", 0.0))
+    return {"step_s": step, "compute_s": step - idle, "idle_optimizer_s": opt_wait, "idle_other_s": idle - opt_wait,
+            "gpu_idle_fraction": idle / step,
+            "overlapped": {"copy_in_s": m.get("worker/copy_in_s", 0.0), "copy_out_s": m.get("worker/copy_out_s", 0.0),
+                           "optimizer_update_s": m.get("optimizer_update_s", 0.0)}}
+
+
+def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = None, seed: int = 0) -> dict:
+    """Train ``cfg.train.steps`` steps of random tokens with megaray, then the same batches
+    with the GPU-resident baseline from megaray's initial weights."""
+    from megaray.actors.session import TrainingSession
     from megaray.plan import plan
 
-    out: dict = {"shape": shape, "params": cfg.model.num_params(), "seq_len": seq_len,
+    t, steps = cfg.train, cfg.train.steps
+    tokens_per_step = t.tokens_per_step
+    rng = np.random.default_rng(seed)
+    batches = [rng.integers(0, cfg.model.vocab_size, (t.grad_accum, t.micro_batch_size, t.seq_len + 1))
+               for _ in range(steps)]
+    flops = flops_per_step(cfg.model, tokens_per_step, t.seq_len)
+    out: dict = {"shape": cfg.model.shape, "params": cfg.model.num_params(), "seq_len": t.seq_len,
                  "host_bytes_per_param": plan(cfg).host_bytes_per_param,
-                 "tokens_per_step": tokens_per_step, "micro_batch": micro_batch, "grad_accum": ga,
-                 "shards": shards, "threads_per_shard": threads}
+                 "tokens_per_step": tokens_per_step, "micro_batch": t.micro_batch_size, "grad_accum": t.grad_accum,
+                 "shards": cfg.optim.num_shards, "threads_per_shard": cfg.optim.threads_per_shard}
+    from megaray.actors.metrics import host_memory_used_bytes
+
     ms = []
+    host_before = host_memory_used_bytes()
     with TrainingSession(cfg) as s:
         t0 = time.perf_counter()
         state = s.state_dict() if baseline else None
@@ -114,19 +160,29 @@ def bench(shape: str, seq_len: int, tokens_per_step: int, micro_batch: int, step
         for i, b in enumerate(batches):
             ms.append(s.train_step(i, b))
         s.drain()
+        out["link_alone"] = ray.get(s.actors["worker"].link_speed.remote())
         if checkpoint_dir:
             out["checkpoint"] = _time_checkpoint(cfg, s, steps, checkpoint_dir)
-    warm = ms[1:] if len(ms) > 1 else ms
-    step_s = statistics.median(m["step_time_s"] for m in warm)
+    med = _median_step(ms)
+    step_s = med["step_time_s"]
+    kept = med.get("worker/kept_blocks", 0)
+    predicted = plan(cfg, keep=kept, on_gpu=cfg.worker.device == "cuda")
+    gpu_peak = max(m.get("worker/gpu_peak_bytes", 0) for m in ms)
+    host_peak = max(m["host_memory_used_bytes"] for m in ms) - host_before
+    out["planner"] = {"host_predicted_gib": predicted.host_total / 2**30, "host_measured_gib": host_peak / 2**30,
+                      "gpu_predicted_gib": predicted.gpu_total / 2**30, "gpu_measured_gib": gpu_peak / 2**30,
+                      "kept_blocks": kept}
+    rates = [m["optimizer_params_per_s"] for m in ms[1:] if "optimizer_params_per_s" in m]
     out["megaray"] = {"step_s": step_s, "tflops": flops / step_s / 1e12,
                       "tokens_per_s": tokens_per_step / step_s,
                       "losses": [m["loss"] for m in ms],
-                      "breakdown": {k: statistics.median(m.get(k, 0.0) for m in warm)
-                                    for k in warm[0] if k.startswith("worker/") and k.endswith("_s")},
-                      "gpu_peak_gib": max(m.get("worker/gpu_peak_bytes", 0) for m in ms) / 2**30}
+                      "breakdown": breakdown(med),
+                      "optimizer_gparams_per_s": statistics.median(rates) / 1e9 if rates else None,
+                      "worker": {k[7:]: v for k, v in med.items() if k.startswith("worker/") and k.endswith("_s")},
+                      "gpu_peak_gib": gpu_peak / 2**30}
     if baseline:
         try:
-            b = run_baseline(cfg, state, batches)
+            b = run_baseline(cfg, state, batches, "cuda" if cfg.worker.device == "cuda" else "cpu")
             bs = statistics.median(b["times"][1:] if len(b["times"]) > 1 else b["times"])
             out["baseline"] = {"step_s": bs, "tflops": flops / bs / 1e12, "losses": b["losses"],
                                "gpu_peak_gib": b["gpu_peak_gib"]}
@@ -135,6 +191,22 @@ def bench(shape: str, seq_len: int, tokens_per_step: int, micro_batch: int, step
         except torch.cuda.OutOfMemoryError:
             out["baseline"] = "out of memory"
     return out
+
+
+def optimizer_scaling(cfg: RunConfig, counts: list[int], cores: int | None = None) -> list[dict]:
+    """megaray alone with 1, 2, 4, ... optimizer shards sharing ``cores`` cores (cores // N
+    threads each): the shards' summed update rate and the GPU's wait on them."""
+    cores = cores or os.cpu_count() or 1
+    rows = []
+    for n in counts:
+        c = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, num_shards=n,
+                                                                threads_per_shard=max(1, cores // n)))
+        r = bench(c, baseline=False)
+        m = r["megaray"]
+        rows.append({"shards": n, "threads_per_shard": c.optim.threads_per_shard,
+                     "optimizer_gparams_per_s": m["optimizer_gparams_per_s"], "step_s": m["step_s"],
+                     "idle_optimizer_s": m["breakdown"]["idle_optimizer_s"], "tflops": m["tflops"]})
+    return rows
 
 
 def _time_checkpoint(cfg: RunConfig, session, step: int, folder: str) -> dict:
@@ -170,9 +242,25 @@ def print_table(r: dict) -> None:
               f"  ratio {r['ratio']:.3f}  first-loss diff {r['first_loss_diff']:.4f}")
     elif b:
         print(f"  baseline: {b}")
-    print("  breakdown (median s): " + ", ".join(f"{k[7:]}={v:.3f}" for k, v in m["breakdown"].items()))
+    d = m["breakdown"]
+    print(f"  step {d['step_s']:.3f} s = compute {d['compute_s']:.3f} + GPU idle waiting for the optimizer "
+          f"{d['idle_optimizer_s']:.3f} + other GPU idle {d['idle_other_s']:.3f} (idle {100 * d['gpu_idle_fraction']:.1f}%)")
+    print("  overlapped (s): " + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in d["overlapped"].items())
+          + (f"; optimizer {m['optimizer_gparams_per_s']:.2f} G params/s summed" if m["optimizer_gparams_per_s"] else ""))
+    la = r.get("link_alone", {})
+    if la:
+        print(f"  measured alone: copy-in {la['copy_in_gbps']:.1f} GB/s, copy-out {la['copy_out_gbps']:.1f} GB/s")
+    print("  worker (median step, s): " + ", ".join(f"{k[:-2]}={v:.3f}" for k, v in m["worker"].items()))
     if "checkpoint" in r:
         c = r["checkpoint"]
         print(f"  checkpoint: {c['bytes'] / 1e9:.1f} GB written in {c['save_s']:.1f} s ({c['save_gbps']:.2f} GB/s), "
               f"loaded in {c['load_s']:.1f} s ({c['load_gbps']:.2f} GB/s)")
+    pl = r["planner"]
+    print(f"  planner: host {pl['host_predicted_gib']:.1f} GiB predicted, {pl['host_measured_gib']:.1f} GiB measured "
+          f"(system memory in use, less what was in use before); GPU {pl['gpu_predicted_gib']:.1f} GiB predicted "
+          f"(keeping {pl['kept_blocks']} blocks), {pl['gpu_measured_gib']:.1f} GiB peak allocated")
+    for row in r.get("optimizer_scaling", []):
+        print(f"  optimizer {row['shards']} shards x {row['threads_per_shard']} threads: "
+              f"{row['optimizer_gparams_per_s'] or 0:.2f} G params/s summed, GPU waits {row['idle_optimizer_s']:.3f} s "
+              f"a step, {row['step_s']:.3f} s/step")
     print("JSON " + json.dumps(r))

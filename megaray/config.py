@@ -210,12 +210,20 @@ class OptimConfig:
     clip_grad_norm: float | None = 1.0
     """Exact global-norm clipping threshold; null turns clipping off."""
     num_shards: int = 2
-    """Optimizer actors; the layer units are split into this many contiguous ranges."""
+    """Optimizer actors; the gradient pieces (see grad_slab_mib) are split among them."""
     threads_per_shard: int = 1
     """torch threads in each optimizer actor (also its Ray num_cpus)."""
-    shard_layout: str = "contiguous"
-    """How units are split among shards: 'contiguous' ranges, or 'interleaved' (unit u to
-    shard u mod N), which lets the next step's forward wait less for the first layers."""
+    shard_layout: str = "interleaved"
+    """How gradient pieces are split among shards: 'interleaved' (piece p to shard p mod N:
+    every shard works on every layer, so the next step's first layers are ready soonest) or
+    'contiguous' ranges of pieces."""
+    grad_slab_mib: float = 64.0
+    """Size of one gradient slab in MiB: each layer unit's fp32 gradient leaves the GPU in
+    pieces of at most this size, and each piece is one optimizer update. Part of the
+    optimizer state's layout: a checkpoint resumes only with the same value."""
+    grad_ring_slabs: int | None = None
+    """Pinned host slabs in the gradient ring (the only host memory gradients use);
+    null: 2 per optimizer shard, so every shard has one piece to update and one arriving."""
 
     def __post_init__(self):
         if not self.lr > 0:
@@ -238,8 +246,21 @@ class OptimConfig:
             raise ConfigError("optim.num_shards", "must be >= 1")
         if self.threads_per_shard < 1:
             raise ConfigError("optim.threads_per_shard", "must be >= 1")
+        if not self.grad_slab_mib > 0:
+            raise ConfigError("optim.grad_slab_mib", f"must be > 0 (got {self.grad_slab_mib})")
+        if self.grad_ring_slabs is not None and self.grad_ring_slabs < 1:
+            raise ConfigError("optim.grad_ring_slabs", "must be >= 1 or null")
         if self.shard_layout not in ("contiguous", "interleaved"):
             raise ConfigError("optim.shard_layout", f"must be contiguous or interleaved (got {self.shard_layout!r})")
+
+    @property
+    def slab_numel(self) -> int:
+        """fp32 elements in one gradient slab (the largest gradient piece)."""
+        return max(1, int(self.grad_slab_mib * 2**20) // 4)
+
+    @property
+    def ring_slabs(self) -> int:
+        return self.grad_ring_slabs or 2 * self.num_shards
 
 
 @dataclass(kw_only=True)
@@ -252,7 +273,7 @@ class WorkerConfig:
     """Blocks (the last ones) whose activations stay on the device instead of being
     recomputed in backward; null: as many as fit in free GPU memory (0 on the CPU)."""
     wait_timeout_s: float = 600.0
-    """Longest wait for an optimizer update or a free gradient buffer before the run fails."""
+    """Longest wait for an optimizer update or a free gradient slab before the run fails."""
 
     def __post_init__(self):
         if self.device not in ("auto", "cuda", "cpu"):
@@ -311,6 +332,9 @@ class DebugConfig:
     """... at this step."""
     nonfinite_steps: list = field(default_factory=list)
     """Steps whose loss and gradients the worker makes NaN (tests of step skipping)."""
+    keep_gradients: bool = False
+    """The worker keeps a host copy of each step's unclipped gradients for
+    ``TrainingSession.gradients()`` (tests and interop checks; costs 4 bytes a parameter)."""
 
     def __post_init__(self):
         if self.crash_actor not in (None, "optimizer", "worker"):

@@ -3,13 +3,19 @@ is allocated.
 
 ``plan(cfg)`` counts, from the config alone:
 - host shared memory (``cluster.shm_dir``): fp32 masters, the compute-dtype copy (none for
-  fp32 compute), fp32 gradients (one region per unit), control words, all page-aligned as
-  ``megaray.buffers`` lays them out; plus Ray's object store, which lives in /dev/shm too;
-- host private memory: fp32 Adam moments (8 bytes a parameter, in the optimizer shards) and
-  a fixed allowance per actor process for the interpreter and torch;
+  fp32 compute), the gradient ring (``optim.grad_ring_slabs`` slabs of
+  ``optim.grad_slab_mib``), control words, all page-aligned as ``megaray.buffers`` lays
+  them out; plus Ray's object store, which lives in /dev/shm too;
+- host private memory: fp32 Adam moments (8 bytes a parameter, in the optimizer shards), a
+  fixed allowance per actor process for the interpreter and torch, and, when the worker
+  computes on the CPU, the step's gradients it holds until the norm is known;
 - the GPU: the four weight slots (embedding, head, two blocks), the saved block inputs of a
-  step, the kept blocks' internals and weights (``megaray.memory``), gradient buffers, the
+  step, the kept blocks' internals and weights (``megaray.memory``), the step's fp32
+  gradients (held on the GPU until the global norm is known, then streamed out), the
   recomputation workspace of one micro-batch, the loss chunk's logits, and the CUDA context.
+
+Host bytes per parameter counts the training state: everything in shared memory (Ray's
+object store included) and the moments; not the per-process allowance.
 
 ``check(cfg, machine)`` compares with what the machine has and raises ``PlanError`` with the
 whole report and the shortfall; ``megaray train`` calls it before starting any actor.
@@ -75,8 +81,8 @@ class Plan:
 
     @property
     def host_bytes_per_param(self) -> float:
-        """Training state per parameter: shared buffers and moments (no fixed per-process allowance)."""
-        state = self.shm_total - self.shm.get("ray object store", 0) + self.host_private["adam moments (fp32)"]
+        """Training state per parameter: shared memory (object store included) and moments."""
+        state = self.shm_total + self.host_private["adam moments (fp32)"]
         return state / self.params
 
     def report(self, machine: Machine | None = None) -> str:
@@ -95,17 +101,20 @@ class Plan:
         return "\n".join(out)
 
 
-def plan(cfg: RunConfig, keep: int | None = None) -> Plan:
+def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True) -> Plan:
     m, t = cfg.model, cfg.train
     units = build_layout(m)
-    h = Handles.plan("plan", 0, cfg.cluster.shm_dir, t.compute_dtype, units)
+    h = Handles.for_config(cfg, "plan", 0, units)
     p = Plan(params=m.num_params())
     p.shm = {"fp32 master weights": h.master_bytes, f"{t.compute_dtype} compute copy": h.compute_bytes,
-             "fp32 gradients": h.master_bytes, "control words": h.control_bytes}
+             f"gradient ring ({h.ring_slabs} x {h.slab_bytes / 2**20:g} MiB)": h.ring_bytes,
+             "control words": h.control_bytes}
     if cfg.cluster.address is None:
         p.shm["ray object store"] = cfg.cluster.object_store_mb * 2**20
     p.host_private = {"adam moments (fp32)": 8 * p.params,
                       "actor processes": PROCESS_BYTES * (cfg.optim.num_shards + 4)}
+    if not on_gpu:
+        p.host_private["step gradients held by the worker (CPU device)"] = 4 * p.params
     s = DTYPES[t.compute_dtype].itemsize
     tokens = t.tokens_per_step
     micro_tokens = t.micro_batch_size * t.seq_len
@@ -119,7 +128,7 @@ def plan(cfg: RunConfig, keep: int | None = None) -> Plan:
         "weight slots (embed, head, 2 blocks)": s * (units[0].numel + units[-1].numel + 2 * block_numel),
         "saved block inputs": s * (m.num_hidden_layers + 1) * tokens * m.hidden_size,
         "gradient of the step's activations": s * tokens * m.hidden_size,
-        "fp32 unit gradients (embed, head, block)": 4 * (units[0].numel + units[-1].numel + block_numel),
+        "fp32 gradients of the step (until the norm is known)": 4 * p.params,
         "recomputation workspace (1 micro-batch)": per_block_internal * micro_tokens,
         "loss chunk logits (fp32, with grad)": 2 * 4 * chunk * m.vocab_size,
         "kept blocks (internals + weights)": p.keep_blocks * (per_block_internal * tokens + s * block_numel),
@@ -166,7 +175,7 @@ def largest_fit(cfg: RunConfig, machine: Machine) -> tuple[int, int]:
 def check(cfg: RunConfig, machine: Machine | None = None) -> Plan:
     """Raise PlanError with the report when the machine cannot hold the run."""
     machine = machine or Machine.here(cfg.cluster.shm_dir)
-    p = plan(cfg)
+    p = plan(cfg, on_gpu=machine.gpu_bytes is not None)
     short = shortfalls(p, machine)
     if short:
         raise PlanError("the run does not fit this machine:\n  " + "\n  ".join(short) + "\n" + p.report(machine))

@@ -1,4 +1,4 @@
-"""Learning-rate schedule: linear warmup, then cosine, linear or constant decay.
+"""Learning-rate schedule (linear warmup, then cosine, linear or constant decay) and the clip factor.
 
 Step numbers are 0-based: step s uses ``lr_at(s)``. During warmup the rate climbs linearly
 to ``lr`` at the end of warmup (``lr * (s + 1) / warmup_steps``); then it decays from ``lr``
@@ -21,3 +21,10 @@ def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
     if optim.schedule == "linear":
         return optim.lr - (optim.lr - optim.min_lr) * p
     return optim.min_lr + (optim.lr - optim.min_lr) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+
+def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: min(1, max_norm / (norm + 1e-6))."""
+    if max_norm is None:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))

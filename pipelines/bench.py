@@ -19,21 +19,22 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     p.add_argument("--set", nargs="*", default=[], help="section.key=value for the megaray config")
     p.add_argument("--json", help="append the result as one JSON line to this file")
     p.add_argument("--checkpoint-dir", help="also time writing and loading one checkpoint here")
+    p.add_argument("--optimizer-scaling", help="also run megaray alone with these shard counts, e.g. 1,2,4,8, "
+                   "sharing this machine's cores")
     a = p.parse_args(argv)
     import ray
     import yaml
 
-    from megaray.bench import bench, print_table
+    from megaray.bench import bench, bench_config, optimizer_scaling, print_table
+    from megaray.runner import connect_ray
 
     extra = {kv.split("=", 1)[0]: yaml.safe_load(kv.split("=", 1)[1]) for kv in a.set}
-    started = not ray.is_initialized()
-    if started:
-        import os
-
-        ray.init(address="local", num_cpus=os.cpu_count(), object_store_memory=512 * 2**20, include_dashboard=False)
+    cfg = bench_config(a.shape, a.seq, a.tokens, a.micro_batch, a.steps, a.shards, a.threads, extra)
+    started = connect_ray(cfg)
     try:
-        r = bench(a.shape, a.seq, a.tokens, a.micro_batch, a.steps, a.shards, a.threads,
-                  baseline=not a.no_baseline, extra=extra, checkpoint_dir=a.checkpoint_dir)
+        r = bench(cfg, baseline=not a.no_baseline, checkpoint_dir=a.checkpoint_dir)
+        if a.optimizer_scaling:
+            r["optimizer_scaling"] = optimizer_scaling(cfg, [int(n) for n in a.optimizer_scaling.split(",")])
         print_table(r)
         if a.json:
             with open(a.json, "a") as f:

@@ -60,7 +60,8 @@ def test_periodic_and_final_checkpoints_keep_the_last_n(ray_cluster, tmp_path):
     for name, part in m["parts"].items():                   # checksums, computed independently
         data = (ckpts[0] / name).read_bytes()
         assert len(data) == part["bytes"] and zlib.crc32(data) == part["crc32"]
-    assert sorted(m["parts"]["optim-0.pt"]["units"] + m["parts"]["optim-1.pt"]["units"]) == [0, 1, 2, 3]
+    # the debug model's 6 gradient pieces (embed, 2 per block, the final norm), split between the shards
+    assert sorted(m["parts"]["optim-0.pt"]["pieces"] + m["parts"]["optim-1.pt"]["pieces"]) == list(range(6))
     assert json.loads((ckpts[0] / "trainer.json").read_text())["next_step"] == 6
     assert not list((tmp_path / "checkpoints" / "debug").glob("*.tmp-*"))
     assert s["checkpoint"] == str(ckpts[0])
@@ -166,10 +167,10 @@ def test_nonfinite_step_is_skipped_without_touching_weights_or_moments(ray_clust
     for k, v in seen[2].items():
         np.testing.assert_array_equal(seen[3][k], v)           # step 2 changed no weight
     for a, b in zip(seen["opt2"], seen["opt3"]):
-        for u in a:
-            for sa, sb in zip(a[u], b[u]):
-                for key in sa:
-                    assert np.array_equal(np.asarray(sa[key]), np.asarray(sb[key])), key
+        assert a and set(a) == set(b)
+        for i in a:
+            for key in a[i]:
+                assert np.array_equal(np.asarray(a[i][key]), np.asarray(b[i][key])), key
     assert "step 2 skipped" in (Path(s["run_dir"]) / "train.log").read_text()
 
 

@@ -26,7 +26,7 @@ def _train(device: str, dtype: str, steps: int = 4):
     from megaray.config import load_config
 
     cfg = load_config("debug", [f"worker.device={device}", f"train.compute_dtype={dtype}",
-                                f"train.steps={steps}", "train.grad_accum=3"])
+                                f"train.steps={steps}", "train.grad_accum=3", "optim.grad_slab_mib=0.015625"])
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 256, (3, 2, 33)) for _ in range(steps)]
     with TrainingSession(cfg) as s:

@@ -59,6 +59,7 @@ def _cfg(path: Path, **train):
                   **train},
         "optim": {"lr": 1e-3, "clip_grad_norm": None, "num_shards": 2, "warmup_steps": 0, "schedule": "constant"},
         "data": {"max_bytes": 20000},
+        "debug": {"keep_gradients": True},
     })
 
 

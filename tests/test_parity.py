@@ -31,14 +31,14 @@ def ref_lr(step: int) -> float:
     return MIN_LR + 0.5 * (LR - MIN_LR) * (1 + math.cos(math.pi * p))
 
 
-def run_pair(model_overrides: dict, clip: float, keep: int):
+def run_pair(model_overrides: dict, clip: float, keep: int, optim: dict):
     model = {"shape": "debug", **model_overrides}
     cfg = build_config({
         "model": model,
         "train": {"steps": STEPS, "micro_batch_size": 2, "grad_accum": 3, "seq_len": 16,
                   "compute_dtype": "float32", "loss_chunk_tokens": 10},
         "optim": {"lr": LR, "min_lr": MIN_LR, "warmup_steps": WARMUP, "schedule": "cosine",
-                  "weight_decay": 0.1, "clip_grad_norm": clip, "num_shards": 2, "betas": [0.9, 0.95]},
+                  "weight_decay": 0.1, "clip_grad_norm": clip, "num_shards": 2, "betas": [0.9, 0.95], **optim},
         "data": {"max_bytes": 20000},
         "worker": {"keep_activations": keep},
     })
@@ -82,13 +82,19 @@ def run_pair(model_overrides: dict, clip: float, keep: int):
     return ours_losses, ref_losses, coefs, init, final, ref_final
 
 
-@pytest.mark.parametrize("overrides, keep", [
-    ({}, 0),                                                        # Llama, tied, all recomputed
-    ({}, 1),                                                        # the last block kept resident
-    ({"tie_word_embeddings": False, "attention_bias": True, "qk_norm": True}, 2),   # Qwen2/3 features
-], ids=["llama-tied-recompute", "llama-tied-keep1", "untied-bias-qknorm-keepall"])
-def test_training_matches_reference(ray_cluster, overrides, keep):
-    ours, ref, coefs, init, final, ref_final = run_pair(overrides, clip=0.5, keep=keep)
+# Gradient slabs of 4096 fp32 cut the embedding and every block into several pieces; a ring
+# of one slab makes every piece wait for the one before it to be applied.
+SMALL_RING = {"grad_slab_mib": 4096 * 4 / 2**20, "grad_ring_slabs": 1, "num_shards": 3, "shard_layout": "contiguous"}
+
+
+@pytest.mark.parametrize("overrides, keep, optim", [
+    ({}, 0, SMALL_RING),                                            # Llama, tied, all recomputed
+    ({}, 1, {}),                                                    # the last block kept resident
+    ({"tie_word_embeddings": False, "attention_bias": True, "qk_norm": True}, 2,
+     {"grad_slab_mib": 4096 * 4 / 2**20, "grad_ring_slabs": 3}),   # Qwen2/3 features
+], ids=["llama-tied-recompute-ring1", "llama-tied-keep1", "untied-bias-qknorm-keepall-ring3"])
+def test_training_matches_reference(ray_cluster, overrides, keep, optim):
+    ours, ref, coefs, init, final, ref_final = run_pair(overrides, clip=0.5, keep=keep, optim=optim)
     assert min(coefs) < 0.9, f"clipping never clipped: {coefs}"
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(ours, ref))
     assert loss_err < 1e-5, (ours, ref)

@@ -13,13 +13,16 @@ from conftest import shm_files
 
 
 def test_debug_plan_by_hand():
-    cfg = load_config("debug", ["cluster.object_store_mb=100"])
+    cfg = load_config("debug", ["cluster.object_store_mb=100", "optim.grad_slab_mib=0.015625",
+                                "optim.grad_ring_slabs=3"])
     p = plan(cfg)
     # units: embed 256x32 fp32 = 32768 B; block 9280 params = 37120 B -> 40960 aligned; head 32 -> 4096
     assert p.shm["fp32 master weights"] == 32768 + 2 * 40960 + 4096 == 118784
-    assert p.shm["fp32 gradients"] == 118784
+    # slabs of 16 KiB = 4096 fp32; pieces: embed 8192 -> 2; block: 9216 matrix elements -> 3,
+    # 64 norm scales -> 1; head (tied: the final norm only) -> 1; 2 + 2 x 4 + 1 = 11 pieces
+    assert p.shm["gradient ring (3 x 0.015625 MiB)"] == 3 * 16384
     assert p.shm["float32 compute copy"] == 0                     # fp32 compute reads the master
-    assert p.shm["control words"] == 8 * (1 + 2 * 4)
+    assert p.shm["control words"] == 8 * (3 + 11 + 2 * 3)
     assert p.shm["ray object store"] == 100 * 2**20
     assert p.host_private["adam moments (fp32)"] == 8 * 26784
     assert p.host_private["actor processes"] == PROCESS_BYTES * (2 + 4)
@@ -36,7 +39,13 @@ def test_llama3b_gpu_items_by_hand():
     assert p.gpu["saved block inputs"] == 2 * 29 * 65536 * 3072
     assert p.gpu["loss chunk logits (fp32, with grad)"] == 2 * 4 * 4096 * 128256
     assert p.shm["bfloat16 compute copy"] >= 2 * cfg.model.num_params()
-    assert 18.0 <= p.host_bytes_per_param < 18.01                  # 4 master + 2 copy + 4 grad + 8 moments
+    # 4 master + 2 bf16 copy + 8 moments, plus the ring (8 slabs of 64 MiB), the object store
+    # (256 MiB) and page alignment
+    ring_and_store = 8 * 64 * 2**20 + 256 * 2**20
+    assert p.shm["gradient ring (8 x 64 MiB)"] == 8 * 64 * 2**20
+    assert p.host_bytes_per_param == pytest.approx(14 + ring_and_store / cfg.model.num_params(), abs=1e-3)
+    assert p.host_bytes_per_param < 14.5
+    assert p.gpu["fp32 gradients of the step (until the norm is known)"] == 4 * cfg.model.num_params()
 
 
 def test_check_refuses_with_the_shortfall():

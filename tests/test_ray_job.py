@@ -99,7 +99,7 @@ def test_job_trains_and_exports_metrics(head, tmp_path):
                 and time.time() - t0 > 60:
             break
         time.sleep(2)
-    assert _wait(head, "megaray-ok") == "SUCCEEDED"
+    assert _wait(head, "megaray-ok") == "SUCCEEDED", _ray("job", "logs", "--address", head["address"], "megaray-ok").stdout[-3000:]
     logs = _ray("job", "logs", "megaray-ok", "--address", head["address"]).stdout
     assert "step 80/80" in logs and "finished; run directory" in logs
     runs = {k[1] for k in seen}

@@ -1,111 +1,156 @@
-"""The Scheduler stepped one step at a time against small fake actors.
+"""The gradient ring and the update schedule: real Scheduler and OptimizerShard actors over
+real shared memory, driven by a small stand-in worker.
 
-The fakes are real Ray actors that record what the scheduler asks of them, so routing,
-clipping, skipping, the order of calls and failure handling are checked without a model.
+The stand-in is a real Ray actor that plays the worker's side of the protocol in
+``megaray.buffers`` (verdict, then every piece into slab ``p mod R``, waiting for a free
+slab) with gradients the test chose, so the pieces' accounting, the order of updates,
+skipping and failure handling are checked without a model. The updated weights are
+compared with torch.optim.AdamW run by the test on whole tensors.
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import ray
+import torch
 
-from megaray.actors.scheduler import Scheduler, clip_coefficient, shard_ranges
-from megaray.buffers import Handles, RunBuffers
+from megaray.actors.optimizer import OptimizerShard
+from megaray.actors.scheduler import Scheduler
+from megaray.buffers import Handles, RunBuffers, assign_pieces, cut_pieces
 from megaray.config import load_config
 from megaray.errors import ActorFailure
 from megaray.model import build_layout
 from megaray.schedule import lr_at
 
 
+def test_pieces_by_hand():
+    cfg = load_config("debug")
+    units = build_layout(cfg.model)     # embed 8192 (matrix); blocks 9216 matrix + 64 norm; head: 32 norm
+    pieces = cut_pieces(units, 4096)
+    assert [(p.unit, p.start, p.stop, p.decay) for p in pieces] == [
+        (0, 0, 4096, True), (0, 4096, 8192, True),
+        (1, 0, 4096, True), (1, 4096, 8192, True), (1, 8192, 9216, True), (1, 9216, 9280, False),
+        (2, 0, 4096, True), (2, 4096, 8192, True), (2, 8192, 9216, True), (2, 9216, 9280, False),
+        (3, 0, 32, False)]
+    assert [p.index for p in pieces] == list(range(11))
+    assert assign_pieces(11, 3) == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8]]
+    assert assign_pieces(11, 3, "contiguous") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+    h = Handles.plan("t", 1, "/tmp", "float32", units, slab_numel=4096, ring_slabs=3)
+    assert list(h.unit_pieces(1)) == [2, 3, 4, 5]
+    assert h.slab_bytes == 16384 and h.ring_bytes == 3 * 16384
+    # a slab never exceeds the largest piece
+    assert Handles.plan("t", 1, "/tmp", "float32", units, slab_numel=2**24, ring_slabs=2).slab_numel == 9216
+
+
 @ray.remote
-class FakeWorker:
-    def __init__(self, scheduler_name: str, units: int):
-        self.name, self.units, self.sq = scheduler_name, units, [1.0] * units
+class StandInWorker:
+    """The worker's side of the ring protocol, with gradients the test supplies."""
 
-    def set_sqnorms(self, sq):
-        self.sq = sq
+    def __init__(self, h: Handles):
+        self.h, self.buf = h, RunBuffers(h, kinds=("ring", "control"))
+        self.max_in_flight = 0
 
-    def run_step(self, step, tokens):
-        sched = ray.get_actor(self.name, namespace="megaray-test")
-        for u in reversed(range(self.units)):             # backward order, as the real worker
-            sched.grad_ready.remote(step, u)
-        return {"loss_sum": 10.0, "tokens": 5, "grads_sent": self.units, "grad_sqnorms": self.sq}
+    def run_step(self, step, grads):
+        for u in range(self.h.num_units):            # the forward: every unit at this step's version
+            self.buf.wait(lambda: self.buf.unit_version(u) >= step, f"unit {u}", 30)
+        applied = grads is not None
+        self.buf.decide(step, applied)
+        if applied:
+            R = self.h.ring_slabs
+            for p in self.h.pieces:
+                s = p.index % R
+                self.buf.wait(lambda: self.buf.slab_piece(s) == 0, f"slab {s}", 30)
+                self.buf.slab(s, p.numel).copy_(grads[p.unit][p.start:p.stop])
+                self.buf.fill_slab(s, p.index, step)
+                self.max_in_flight = max(self.max_in_flight, sum(self.buf.slab_piece(k) > 0 for k in range(R)))
+        return {"loss_sum": 10.0, "tokens": 5, "grad_norm": 1.0, "clip_coef": 1.0, "applied": applied,
+                "compute_s": 0.0}
 
-
-@ray.remote
-class FakeShard:
-    def __init__(self, fail_apply_at=None):
-        self.log, self.fail = [], fail_apply_at
-
-    def on_grad(self, step, u, lr, apply_now):
-        self.log.append(("on_grad", step, u, apply_now))
-
-    def apply(self, step, coef, lr, skip):
-        if step == self.fail:
-            raise RuntimeError("disk on fire")
-        self.log.append(("apply", step, round(coef, 12), lr, skip))
-        return 0.0
-
-    def calls(self):
-        return self.log
+    def in_flight(self):
+        return self.max_in_flight
 
 
-def _setup(tmp_path, overrides=(), fail_apply_at=None):
-    cfg = load_config("debug", [f"cluster.shm_dir={tmp_path}", *overrides])
-    h = Handles.plan("sched-test", 1, str(tmp_path), "float32", build_layout(cfg.model))
-    ctl = RunBuffers(h, create=True, kinds=("control",))
-    name = f"sched-{len(list(tmp_path.iterdir()))}-{id(cfg)}"
-    sched = ray.remote(Scheduler).options(name=name, namespace="megaray-test").remote(cfg, h, name)
-    worker = FakeWorker.remote(name, h.num_units)
-    shards = [FakeShard.remote(fail_apply_at if k == 1 else None) for k in range(cfg.optim.num_shards)]
+def _setup(tmp_path, overrides=()):
+    cfg = load_config("debug", [f"cluster.shm_dir={tmp_path}", "optim.grad_slab_mib=0.015625",
+                                "optim.weight_decay=0.1", "optim.num_shards=3", *overrides])
+    h = Handles.for_config(cfg, f"ring{len(list(tmp_path.iterdir()))}", 1, build_layout(cfg.model))
+    buf = RunBuffers(h, create=True)
+    g = torch.Generator().manual_seed(0)
+    for u in h.units:
+        buf.master(u.index).copy_(torch.randn(u.numel, generator=g))
+    sched = ray.remote(Scheduler).remote(cfg, h, "sched")
+    worker = StandInWorker.remote(h)
+    parts = assign_pieces(len(h.pieces), cfg.optim.num_shards, cfg.optim.shard_layout)
+    shards = [ray.remote(OptimizerShard).remote(cfg, h, ps, f"t:optimizer-{k}") for k, ps in enumerate(parts)]
     ray.get(sched.attach.remote(worker, shards, [f"optimizer-{k}" for k in range(len(shards))]))
-    return cfg, h, ctl, sched, worker, shards
+    return cfg, h, buf, sched, worker, shards
 
 
-def test_clipped_step_routes_every_gradient_then_applies_once(ray_cluster, tmp_path):
-    cfg, h, _, sched, _, shards = _setup(tmp_path)
-    m = ray.get(sched.train_step.remote(0, None))
-    U = h.num_units
-    assert m["grad_norm"] == pytest.approx(math.sqrt(U))
-    assert m["clip_coef"] == pytest.approx(clip_coefficient(math.sqrt(U), cfg.optim.clip_grad_norm))
-    assert m["loss"] == 2.0 and not m["skipped"]
-    assert ray.get(sched.state.remote())["phase"] == "apply"      # updates overlap the next step
+def _reference(cfg, h, init, grads_by_step):
+    """torch AdamW on each whole unit (matrices decayed, 1-D tensors not), step by step."""
+    params = [torch.nn.Parameter(t.clone()) for t in init]
+    groups = []
+    for u, p in zip(h.units, params):
+        groups.append({"params": [p], "weight_decay": 0.0})   # per-element decay mask below
+    opt = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+    for step, grads in enumerate(grads_by_step):
+        for grp, u, p in zip(opt.param_groups, h.units, params):
+            grp["lr"] = lr_at(step, cfg.optim, cfg.train.steps)
+            p.grad = None if grads is None else grads[u.index].clone()
+        if grads is None:
+            continue
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        with torch.no_grad():       # decoupled decay of the matrix range: p -= lr * wd * p_before
+            for u, p, b in zip(h.units, params, before):
+                lr = lr_at(step, cfg.optim, cfg.train.steps)
+                p[:u.decay_numel] -= lr * cfg.optim.weight_decay * b[:u.decay_numel]
+    return [p.detach() for p in params]
+
+
+@pytest.mark.parametrize("slabs", [1, 4])
+def test_every_piece_goes_through_the_ring_and_matches_adamw(ray_cluster, tmp_path, slabs):
+    cfg, h, buf, sched, worker, shards = _setup(tmp_path, [f"optim.grad_ring_slabs={slabs}"])
+    assert len(h.pieces) == 11
+    init = [buf.master(u.index).clone() for u in h.units]
+    g = torch.Generator().manual_seed(1)
+    steps = [[torch.randn(u.numel, generator=g) for u in h.units] for _ in range(3)]
+    for step, grads in enumerate(steps):
+        m = ray.get(sched.train_step.remote(step, grads))
+        assert m["step"] == step and not m["skipped"]
+        assert ray.get(sched.state.remote())["phase"] == "apply"    # updates overlap the next step
     ray.get(sched.drain.remote())
     assert ray.get(sched.state.remote())["phase"] == "idle"
-    for units, shard in zip(shard_ranges(U, 2), shards):
-        calls = ray.get(shard.calls.remote())
-        grads = [c for c in calls if c[0] == "on_grad"]
-        assert sorted(c[2] for c in grads) == units and all(not c[3] for c in grads)
-        assert calls[-1] == ("apply", 0, round(m["clip_coef"], 12), lr_at(0, cfg.optim, cfg.train.steps), False)
-        assert [c[0] for c in calls].count("apply") == 1           # after all of its gradients
-
-
-def test_nonfinite_norm_skips_and_counts(ray_cluster, tmp_path):
-    _, h, _, sched, worker, shards = _setup(tmp_path)
-    ray.get(worker.set_sqnorms.remote([float("nan")] + [1.0] * (h.num_units - 1)))
-    m = ray.get(sched.train_step.remote(0, None))
-    ray.get(sched.drain.remote())
-    assert m["skipped"]
-    assert ray.get(sched.state.remote())["skipped_steps"] == 1
-    assert all(ray.get(s.calls.remote())[-1][-1] is True for s in shards)
-
-
-def test_clipping_off_updates_on_arrival(ray_cluster, tmp_path):
-    _, _, _, sched, _, shards = _setup(tmp_path, ["optim.clip_grad_norm=null"])
-    m = ray.get(sched.train_step.remote(0, None))
-    ray.get(sched.drain.remote())
-    assert m["clip_coef"] == 1.0
+    assert 1 <= ray.get(worker.in_flight.remote()) <= slabs          # the ring bounds what is in flight
+    assert [buf.version(p.index) for p in h.pieces] == [3] * 11
+    assert [buf.slab_piece(s) for s in range(slabs)] == [0] * slabs  # every slab handed back
+    ref = _reference(cfg, h, init, steps)
+    for u in h.units:
+        torch.testing.assert_close(buf.master(u.index), ref[u.index], rtol=1e-6, atol=1e-7)
+    states = {}
     for s in shards:
-        calls = ray.get(s.calls.remote())
-        assert calls and all(c[0] == "on_grad" and c[3] for c in calls)
+        states.update(ray.get(s.optimizer_state.remote()))
+    assert sorted(states) == list(range(11)) and all(int(st["step"]) == 3 for st in states.values())
 
 
-def test_a_failed_update_aborts_the_next_step(ray_cluster, tmp_path):
-    _, _, ctl, sched, _, _ = _setup(tmp_path, fail_apply_at=0)
-    ray.get(sched.train_step.remote(0, None))
+def test_a_skipped_step_bumps_versions_and_changes_nothing(ray_cluster, tmp_path):
+    _, h, buf, sched, _, shards = _setup(tmp_path)
+    init = [buf.master(u.index).clone() for u in h.units]
+    m = ray.get(sched.train_step.remote(0, None))
+    ray.get(sched.drain.remote())
+    assert m["skipped"] and ray.get(sched.state.remote())["skipped_steps"] == 1
+    assert [buf.version(p.index) for p in h.pieces] == [1] * len(h.pieces)
+    for u in h.units:
+        assert torch.equal(buf.master(u.index), init[u.index])
+    for s in shards:
+        assert all(not st for st in ray.get(s.optimizer_state.remote()).values())   # no moments yet
+
+
+def test_a_failed_update_aborts_the_run(ray_cluster, tmp_path):
+    _, h, buf, sched, _, _ = _setup(tmp_path, ["debug.crash_actor=optimizer", "debug.crash_step=1"])
+    grads = [torch.ones(u.numel) for u in h.units]
+    ray.get(sched.train_step.remote(0, grads))
     with pytest.raises(ActorFailure) as e:
-        ray.get(sched.train_step.remote(1, None))
-    assert "optimizer-1" in str(e.value) and "disk on fire" in str(e.value)
-    assert ctl.aborted                                              # waiting actors are released
+        ray.get(sched.train_step.remote(1, grads))
+    assert "optimizer-" in str(e.value) and "injected crash at step 1" in str(e.value)
+    assert buf.aborted                                              # waiting actors are released
     assert ray.get(sched.state.remote())["phase"] == "failed"

@@ -1,0 +1,77 @@
+"""The bench on the CPU: its baseline model and training loop against the independent
+reference (tests/reference.py), and a whole bench run (megaray and baseline from the same
+weights and tokens) on a tiny model, whose losses must agree and whose time parts add up."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megaray.bench import BaselineLlama, bench, bench_config, breakdown, run_baseline
+from megaray.model import build_layout, flops_per_step, init_unit
+
+from reference import RefLlama
+
+SET = {"worker.device": "cpu", "worker.threads": 1, "train.compute_dtype": "float32", "train.loss_chunk_tokens": 50,
+       "optim.grad_slab_mib": 0.015625, "cluster.num_cpus": 6}
+
+
+def _cfg(steps=3):
+    return bench_config("debug", seq_len=16, tokens_per_step=96, micro_batch=2, steps=steps, shards=2, threads=1,
+                        extra=SET)
+
+
+def _state(cfg):
+    return {s.name: init_unit(u, cfg.model, 0)[s.offset:s.offset + s.numel].view(s.shape).numpy()
+            for u in build_layout(cfg.model) for s in u.params}
+
+
+def test_baseline_trains_like_the_reference():
+    cfg = _cfg()
+    state = _state(cfg)
+    rng = np.random.default_rng(3)
+    batches = [rng.integers(0, cfg.model.vocab_size, (3, 2, 17)) for _ in range(3)]
+    out = run_baseline(cfg, state, batches, "cpu")
+    c = {k: getattr(cfg.model, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                             "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                                             "rope_theta", "tie_word_embeddings", "attention_bias", "qk_norm")}
+    ref = RefLlama(c)
+    ref.load_state_dict({k: torch.tensor(v) for k, v in state.items()})
+    o = cfg.optim
+    opt = torch.optim.AdamW([{"params": [p for p in ref.parameters() if p.ndim >= 2], "weight_decay": o.weight_decay},
+                             {"params": [p for p in ref.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    losses = []
+    for b in batches:   # the whole step's batch at once
+        tok = torch.from_numpy(b).reshape(6, 17)
+        loss = torch.nn.functional.cross_entropy(ref(tok[:, :-1]).reshape(-1, c["vocab_size"]), tok[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), o.clip_grad_norm)
+        opt.step()
+        losses.append(loss.item())
+    np.testing.assert_allclose(out["losses"], losses, rtol=1e-5)
+    model = BaselineLlama(cfg.model, state, "cpu")
+    assert sum(p.numel() for p in model.parameters()) == cfg.model.num_params()
+
+
+def test_breakdown_adds_up():
+    m = {"step_time_s": 2.0, "worker/compute_s": 1.5, "worker/wait_optimizer_s": 0.2, "worker/copy_in_s": 0.4}
+    d = breakdown(m)
+    assert d["compute_s"] + d["idle_optimizer_s"] + d["idle_other_s"] == pytest.approx(2.0)
+    assert (d["idle_optimizer_s"], d["idle_other_s"], d["gpu_idle_fraction"]) == pytest.approx((0.2, 0.3, 0.25))
+    # a wait longer than the idle time (it overlapped compute) counts only up to the idle time
+    assert breakdown({**m, "worker/wait_optimizer_s": 0.9})["idle_optimizer_s"] == pytest.approx(0.5)
+
+
+def test_bench_runs_megaray_and_baseline_from_the_same_weights(ray_cluster):
+    cfg = _cfg()
+    r = bench(cfg)
+    m = r["megaray"]
+    assert r["first_loss_diff"] < 1e-4 * abs(m["losses"][0])              # fp32 on both sides
+    np.testing.assert_allclose(m["losses"], r["baseline"]["losses"], rtol=1e-4)
+    assert m["tflops"] == pytest.approx(flops_per_step(cfg.model, 96, 16) / m["step_s"] / 1e12)
+    assert r["ratio"] == pytest.approx(m["tflops"] / r["baseline"]["tflops"])
+    d = m["breakdown"]
+    assert d["compute_s"] + d["idle_optimizer_s"] + d["idle_other_s"] == pytest.approx(m["step_s"])
+    assert m["optimizer_gparams_per_s"] > 0 and r["link_alone"]["copy_in_gbps"] > 0

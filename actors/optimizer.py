@@ -5,7 +5,8 @@ fp32 Adam moments of its pieces (``megaray.buffers``: slab-sized slices of a uni
 parameters, split at the decay boundary) in its own memory. Each piece has its own torch
 AdamW (fused where torch has it) over a view of the master region: decayed when the piece
 holds matrices, and 1-D tensors only when ``optim.decay_norms_and_biases`` is set. AdamW is
-elementwise, so updating a unit piece by piece equals updating it whole.
+elementwise, so updating a unit piece by piece equals updating it whole. The moments are
+allocated when the shard starts.
 
 ``apply(step, lr)`` is called once per step, before the worker starts it, and runs while
 the worker computes: it waits for the worker's verdict on the step (``decided``), then for
@@ -46,6 +47,12 @@ class OptimizerShard:
             self.params[i] = self.buf.piece_master(piece)
             self.opts[i] = torch.optim.AdamW([self.params[i]], lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                              weight_decay=wd, fused=True)
+            # Moments allocated (and their pages touched) now, not in the first step: the
+            # memory the plan counted is taken before training starts, and step 0's update
+            # runs as fast as the others.
+            self.opts[i].state[self.params[i]] = {"step": torch.zeros((), dtype=torch.float32),
+                                                  "exp_avg": torch.zeros_like(self.params[i]),
+                                                  "exp_avg_sq": torch.zeros_like(self.params[i])}
         self.numel = sum(handles.pieces[i].numel for i in self.pieces)
         self.metrics = RunMetrics(handles.run_id, name.rsplit(":", 1)[-1], {
             "optimizer_seconds": "Time this optimizer shard spent updating in its last step",

@@ -25,9 +25,16 @@ step's forward begins (its first layers wait only for their own pieces' updates)
 is a token-sum computed in chunks and scaled by 1/(tokens in the step), so accumulation over
 micro-batches equals one big batch exactly.
 
-Time accounting: on CUDA every compute region (a unit's forward, the head, a unit's
-backward) is bracketed by events on the compute stream, so ``compute_s`` is the GPU's busy
-time and a step's GPU idle time is the step time minus it.
+Time accounting: every compute region (a unit's forward, the head, a unit's backward) is
+bracketed by events on the compute stream (wall clock on the CPU), so ``compute_s`` is the
+GPU's busy time. The gaps between regions are the GPU idle inside a step; a gap before a
+unit whose weights had to wait for the optimizer counts as optimizer wait (up to that wait),
+the rest as waiting for copy-in or for kernel launches.
+
+Recomputation policy when ``worker.keep_activations`` is unset: the first step keeps what
+the estimate in ``megaray.memory`` says fits; afterwards the worker measures what one kept
+block really costs and the step's peak, and keeps more (or fewer) blocks to use the free
+GPU memory less a margin.
 """
 from __future__ import annotations
 
@@ -82,11 +89,13 @@ class GpuWorker:
         self._slot_step: dict[str, int] = {}                # the step whose weights a slot holds
         self.rope = rope_tables(self.mcfg, self.mcfg.max_position_embeddings, self.device, torch.float32)
         self._auto_keep: int | None = None
+        self._kept_block_bytes = 0                  # measured device memory of one kept block
+        self._opt_wait: dict[int, float] = {}       # unit -> optimizer wait before its copy-in
         self._copy_events: list = []
         self._spans: list = []
         self._kept_bufs: list[torch.Tensor] = []
         self._shipping: Future | None = None      # the previous step's gradients leaving
-        self._out_stats: dict[str, float] = {}
+        self._shipped: list[dict] = []              # copy-out statistics of finished steps
         self._last_grads: dict[int, np.ndarray] = {}
         self.copy_in = ThreadPoolExecutor(1, thread_name_prefix="copy-in")
         self.copy_out = ThreadPoolExecutor(1, thread_name_prefix="copy-out")
@@ -139,9 +148,11 @@ class GpuWorker:
         free_ev = self.slot_free[slot]
 
         def work():
-            timer.add("wait_optimizer_s", self.buf.wait(
-                lambda: self.buf.unit_version(u) >= step, f"optimizer update of {self.units[u].name} for step {step}",
-                self.cfg.worker.wait_timeout_s))
+            waited = self.buf.wait(lambda: self.buf.unit_version(u) >= step,
+                                   f"optimizer update of {self.units[u].name} for step {step}",
+                                   self.cfg.worker.wait_timeout_s)
+            timer.add("wait_optimizer_s", waited)
+            self._opt_wait[u] = self._opt_wait.get(u, 0.0) + waited
             src, dst = self.buf.compute(u), self.slots[slot][: self.units[u].numel]
             timer.add("copy_in_bytes", src.numel() * src.element_size())
             t0 = time.perf_counter()
@@ -183,23 +194,45 @@ class GpuWorker:
         return flat, bind(flat, self.units[u])
 
     @contextmanager
-    def _span(self):
-        """Bracket a compute region: CUDA events on the compute stream, or wall time on the CPU."""
+    def _span(self, u: int):
+        """Bracket unit u's compute region: CUDA events on the compute stream, or wall time on the CPU."""
         if self.cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record(self.compute_stream)
             yield
             b.record(self.compute_stream)
-            self._spans.append((a, b))
         else:
-            t0 = time.perf_counter()
+            a = time.perf_counter()
             yield
-            self._spans.append(time.perf_counter() - t0)
+            b = time.perf_counter()
+        self._spans.append((u, a, b))
+
+    def _gpu_time(self) -> dict:
+        """Busy time of the step's compute regions and the idle gaps between them."""
+        el = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)
+        busy = opt = other = 0.0
+        for k, (u, a, b) in enumerate(self._spans):
+            busy += el(a, b)
+            if k:
+                gap = max(0.0, el(self._spans[k - 1][2], a))
+                w = min(gap, self._opt_wait.pop(u, 0.0))
+                opt, other = opt + w, other + gap - w
+        return {"compute_s": busy, "gap_optimizer_s": opt, "gap_other_s": other}
+
+    def _adapt_keep(self) -> None:
+        """Re-choose the kept blocks from this step's measured peak and per-block cost."""
+        if self.cfg.worker.keep_activations is not None or not self.cuda or not self._kept_block_bytes:
+            return
+        usable = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device)
+        margin = int(0.06 * usable) + 2 * 2**30
+        headroom = usable - margin - torch.cuda.max_memory_allocated(self.device)
+        change = int(headroom // self._kept_block_bytes) if headroom > 0 else -int(-headroom // self._kept_block_bytes) - 1
+        self._auto_keep = max(0, min(self.L, self._auto_keep + change))
 
     def _ship(self, step: int, grads: list, ready) -> None:
         """Copy-out thread: every piece of the step's (clipped) gradients into its ring slab,
         in forward order; each slab is handed to its shard as soon as its copy has landed."""
-        R, st = self.h.ring_slabs, self._out_stats
+        R, st = self.h.ring_slabs, {}
         try:
             if ready is not None:
                 self.out_stream.wait_event(ready)
@@ -222,6 +255,7 @@ class GpuWorker:
                 self.buf.fill_slab(s, piece.index, step)
                 if last[piece.unit] == piece.index:
                     grads[piece.unit] = None                # its device memory goes back now
+            self._shipped.append(st)
         except RunAborted:
             raise
         except BaseException:
@@ -254,7 +288,9 @@ class GpuWorker:
         timer = _Timer()
         if self._shipping is not None and self._shipping.done():
             self._shipping.result()             # raise the previous step's copy-out failure, if any
-        self._copy_events, self._spans = [], []
+        self._copy_events, self._spans, self._opt_wait = [], [], {}
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
         toks = torch.tensor(tokens, dtype=torch.int64).to(self.device, non_blocking=True)
         inputs, targets = toks[..., :-1], toks[..., 1:]
         M = inputs.shape[0]
@@ -273,7 +309,7 @@ class GpuWorker:
         acts: list[list[torch.Tensor]] = [[None] * M for _ in range(L + 1)]
         keep_from = L - self._keep_count(M * inputs[0].numel())
         kept: dict[int, tuple] = {}     # block -> (flat leaf, [(x, y) per micro-batch])
-        with torch.no_grad(), self._span():
+        with torch.no_grad(), self._span(0):
             _, we = self._weights(0, grad=False)
             for m in range(M):
                 acts[0][m] = embed_forward(we, inputs[m])
@@ -282,7 +318,7 @@ class GpuWorker:
             self._ready(nxt, timer)
             nxt = self._stage(u + 1, step, timer)           # next block, or the head
             if i < keep_from:
-                with torch.no_grad(), self._span():
+                with torch.no_grad(), self._span(u):
                     _, w = self._weights(u, grad=False)
                     for m in range(M):
                         acts[i + 1][m] = block_forward(w, acts[i][m], self.rope, self.mcfg)
@@ -291,7 +327,8 @@ class GpuWorker:
                 # the slot is refilled) so its backward needs no recomputation.
                 buf = self._kept_buffer(i - keep_from)
                 pairs = []
-                with torch.enable_grad(), self._span():
+                before = torch.cuda.memory_allocated(self.device) if self.cuda else 0
+                with torch.enable_grad(), self._span(u):
                     buf.copy_(self.slots[self._slot_name(u)][: self.units[u].numel])
                     flat = buf.detach().requires_grad_()
                     w = bind(flat, self.units[u])
@@ -301,6 +338,9 @@ class GpuWorker:
                         pairs.append((x, y))
                         acts[i + 1][m] = y.detach()
                 kept[i] = (flat, pairs)
+                if self.cuda and not self._kept_block_bytes:   # one kept block: internals + its weights
+                    self._kept_block_bytes = (torch.cuda.memory_allocated(self.device) - before
+                                              + buf.numel() * buf.element_size())
             self._release(u)
         timer.add("forward_s", time.perf_counter() - t0)
 
@@ -315,7 +355,7 @@ class GpuWorker:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         dys: list[torch.Tensor] = [None] * M
         chunk = self.cfg.train.loss_chunk_tokens
-        with self._span():
+        with self._span(U - 1):
             head_flat, wh = self._weights(U - 1, grad=True)
             emb_flat, we = self._weights(0, grad=True) if tied else (None, None)
             for m in range(M):
@@ -347,7 +387,7 @@ class GpuWorker:
                 flat, pairs = kept.pop(i)
                 if i - 1 == keep_from - 1 and i > 0:
                     nxt = self._stage(u - 1, step, timer)   # first recomputed block below
-                with self._span():
+                with self._span(u):
                     g = torch.zeros(self.units[u].numel, dtype=torch.float32, device=self.device)
                     for m, (x, y) in enumerate(pairs):
                         gw, gx = torch.autograd.grad(y, [flat, x], grad_outputs=dys[m])
@@ -359,7 +399,7 @@ class GpuWorker:
                 self._ready(nxt, timer)
                 if i > 0:
                     nxt = self._stage(u - 1, step, timer)
-                with self._span():
+                with self._span(u):
                     g = torch.zeros(self.units[u].numel, dtype=torch.float32, device=self.device)
                     flat, w = self._weights(u, grad=True)
                     for m in range(M):
@@ -373,7 +413,7 @@ class GpuWorker:
                 self._release(u)
             grads[u] = g
         # ---- the embedding: its lookup gradient (plus the tied head's contribution)
-        with self._span():
+        with self._span(0):
             emb_flat, we = self._weights(0, grad=True)
             for m in range(M):
                 with torch.enable_grad():
@@ -386,7 +426,7 @@ class GpuWorker:
 
         # ---- the step's verdict, exact clipping, and the gradients' way out
         t0 = time.perf_counter()
-        with self._span():
+        with self._span(-1):
             sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads])
         sq = sq.cpu()                                       # waits for the backward to finish
         loss_total = float(loss_sum)
@@ -397,7 +437,7 @@ class GpuWorker:
             self._last_grads = {u: g.cpu().numpy() for u, g in enumerate(grads)}
         if finite:
             if coef != 1.0:
-                with self._span():
+                with self._span(-1):
                     for g in grads:
                         g.mul_(coef)
             ready = None
@@ -412,21 +452,22 @@ class GpuWorker:
             self.buf.decide(step, False)
         del grads
         timer.add("reduce_s", time.perf_counter() - t0)
-        if self.cuda:   # copy-in time on the copy stream, and compute time, from their events
+        if self.cuda:   # copy-in time on the copy stream, from its events
             self.copy_stream.synchronize()
             self.compute_stream.synchronize()
             timer.add("copy_in_s", sum(a.elapsed_time(b) for a, b in self._copy_events) / 1e3)
-            timer.add("compute_s", sum(a.elapsed_time(b) for a, b in self._spans) / 1e3)
-        else:
-            timer.add("compute_s", sum(self._spans))
+        timer.t.update(self._gpu_time())
         out = {"loss_sum": loss_total, "tokens": n_tokens, "grad_norm": norm, "clip_coef": coef,
-               "applied": finite, "kept_blocks": L - keep_from, "worker_s": time.perf_counter() - t_start}
+               "applied": finite, "kept_blocks": L - keep_from, "kept_block_bytes": self._kept_block_bytes,
+               "worker_s": time.perf_counter() - t_start}
         out.update(timer.t)
-        # Copy-out of earlier steps' gradients (it runs on, behind this step's return).
-        out.update(self._out_stats)
-        self._out_stats = {}
+        # Copy-out of the previous step's gradients (it ran during this step's forward).
+        while self._shipped:
+            for k, v in self._shipped.pop(0).items():
+                out[k] = out.get(k, 0.0) + v
         if self.cuda:
             out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            self._adapt_keep()
         return out
 
     def link_speed(self, repeats: int = 5) -> dict:

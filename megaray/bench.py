@@ -115,20 +115,21 @@ def _median_step(ms: list[dict]) -> dict:
 
 
 def breakdown(m: dict) -> dict:
-    """Where one step's time went; the first three parts add up to the step time exactly.
+    """Where one step's time went; the first four parts add up to the step time exactly.
 
     - compute: the GPU's busy time (CUDA events around every compute region);
-    - GPU idle waiting for the optimizer: the time the worker waited for a layer's update
-      (the copy-in cannot start before it), at most the idle time;
-    - GPU idle, other: the rest of the idle time (copy-in not yet landed, kernel launch gaps,
-      the verdict's synchronization, the Ray call that starts the step).
+    - idle waiting for the optimizer: gaps between compute regions before a layer whose
+      weights had to wait for their update (counted up to that wait);
+    - idle waiting for copy-in or launches: the other gaps between compute regions;
+    - outside the GPU work: the rest of the step (the Ray call that starts it, the loss and
+      norm reaching the host, the verdict).
     Copy-in, copy-out and the optimizer's update time overlap compute; they are listed after.
     """
     step, compute = m["step_time_s"], m.get("worker/compute_s", 0.0)
-    idle = max(0.0, step - compute)
-    opt_wait = min(idle, m.get("worker/wait_optimizer_s", 0.0))
-    return {"step_s": step, "compute_s": step - idle, "idle_optimizer_s": opt_wait, "idle_other_s": idle - opt_wait,
-            "gpu_idle_fraction": idle / step,
+    opt, other = m.get("worker/gap_optimizer_s", 0.0), m.get("worker/gap_other_s", 0.0)
+    outside = step - compute - opt - other
+    return {"step_s": step, "compute_s": compute, "idle_optimizer_s": opt, "idle_copy_in_s": other,
+            "outside_s": outside, "gpu_idle_fraction": (step - compute) / step,
             "overlapped": {"copy_in_s": m.get("worker/copy_in_s", 0.0), "copy_out_s": m.get("worker/copy_out_s", 0.0),
                            "optimizer_update_s": m.get("optimizer_update_s", 0.0)}}
 
@@ -244,7 +245,8 @@ def print_table(r: dict) -> None:
         print(f"  baseline: {b}")
     d = m["breakdown"]
     print(f"  step {d['step_s']:.3f} s = compute {d['compute_s']:.3f} + GPU idle waiting for the optimizer "
-          f"{d['idle_optimizer_s']:.3f} + other GPU idle {d['idle_other_s']:.3f} (idle {100 * d['gpu_idle_fraction']:.1f}%)")
+          f"{d['idle_optimizer_s']:.3f} + waiting for copy-in/launch {d['idle_copy_in_s']:.3f} + outside the GPU work "
+          f"{d['outside_s']:.3f} (GPU idle {100 * d['gpu_idle_fraction']:.1f}%)")
     print("  overlapped (s): " + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in d["overlapped"].items())
           + (f"; optimizer {m['optimizer_gparams_per_s']:.2f} G params/s summed" if m["optimizer_gparams_per_s"] else ""))
     la = r.get("link_alone", {})

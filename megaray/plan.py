@@ -11,7 +11,8 @@ is allocated.
   computes on the CPU, the step's gradients it holds until the norm is known;
 - the GPU: the four weight slots (embedding, head, two blocks), the saved block inputs of a
   step, the kept blocks' internals and weights (``megaray.memory``), the step's fp32
-  gradients (held on the GPU until the global norm is known, then streamed out), the
+  gradients at the peak (held on the GPU until the global norm is known, then streamed
+  out; they grow as the kept blocks are freed), the
   recomputation workspace of one micro-batch, the loss chunk's logits, and the CUDA context.
 
 Host bytes per parameter counts the training state: everything in shared memory (Ray's
@@ -124,14 +125,18 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True) -> Plan:
     # the minimum (none), which is what must fit.
     p.keep_blocks = keep if keep is not None else (cfg.worker.keep_activations or 0)
     chunk = min(t.loss_chunk_tokens, micro_tokens)
+    kept = p.keep_blocks * (per_block_internal * tokens + s * block_numel)
     p.gpu = {
         "weight slots (embed, head, 2 blocks)": s * (units[0].numel + units[-1].numel + 2 * block_numel),
         "saved block inputs": s * (m.num_hidden_layers + 1) * tokens * m.hidden_size,
         "gradient of the step's activations": s * tokens * m.hidden_size,
-        "fp32 gradients of the step (until the norm is known)": 4 * p.params,
+        # Gradients grow through the backward while the kept blocks' internals are freed, so
+        # the peak is the larger of: every kept block alive with the head's and embedding's
+        # gradients (the backward's start), or every gradient (its end).
+        "fp32 gradients at the peak": max(4 * (units[0].numel + units[-1].numel), 4 * p.params - kept),
         "recomputation workspace (1 micro-batch)": per_block_internal * micro_tokens,
         "loss chunk logits (fp32, with grad)": 2 * 4 * chunk * m.vocab_size,
-        "kept blocks (internals + weights)": p.keep_blocks * (per_block_internal * tokens + s * block_numel),
+        "kept blocks (internals + weights)": kept,
         "CUDA context and allocator slack": CUDA_CONTEXT_BYTES,
     }
     return p

@@ -45,7 +45,10 @@ def test_llama3b_gpu_items_by_hand():
     assert p.shm["gradient ring (8 x 64 MiB)"] == 8 * 64 * 2**20
     assert p.host_bytes_per_param == pytest.approx(14 + ring_and_store / cfg.model.num_params(), abs=1e-3)
     assert p.host_bytes_per_param < 14.5
-    assert p.gpu["fp32 gradients of the step (until the norm is known)"] == 4 * cfg.model.num_params()
+    # nothing kept: every gradient is alive at the backward's end
+    assert p.gpu["fp32 gradients at the peak"] == 4 * cfg.model.num_params()
+    kept = plan(cfg, keep=20)            # 20 kept blocks outweigh the gradients: the backward's start counts
+    assert kept.gpu["fp32 gradients at the peak"] == 4 * (128256 * 3072 + 3072)
 
 
 def test_check_refuses_with_the_shortfall():

@@ -38,8 +38,8 @@ GPU memory less a margin.
 """
 from __future__ import annotations
 
-import time
 import math
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 
@@ -48,6 +48,7 @@ import torch
 
 from megaray.buffers import DTYPES, Handles, RunBuffers
 from megaray.config import RunConfig
+from megaray.data import split_batch
 from megaray.errors import ActorFailure, InjectedFault, RunAborted
 from megaray.memory import keep_blocks
 from megaray.schedule import clip_coefficient
@@ -269,6 +270,17 @@ class GpuWorker:
             return f"gradient copy-out failed: {type(f.exception()).__name__}: {f.exception()}"
         return None
 
+    def _inputs_targets(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets of a batch [micro_batches, batch, seq + 1] (a token array, or
+        tokens with a loss mask): targets the mask leaves out become IGNORE_INDEX."""
+        tokens, mask = split_batch(batch)
+        toks = torch.tensor(np.asarray(tokens), dtype=torch.int64).to(self.device)
+        targets = toks[..., 1:]
+        if mask is not None:
+            keep = torch.tensor(np.asarray(mask)[..., 1:] != 0).to(self.device)
+            targets = targets.masked_fill(~keep, IGNORE_INDEX)
+        return toks[..., :-1], targets
+
     # ------------------------------------------------------------------ steps
     def run_step(self, step: int, tokens: np.ndarray) -> dict:
         """Forward and backward of one step over tokens [micro_batches, batch, seq + 1]."""
@@ -291,8 +303,7 @@ class GpuWorker:
         self._copy_events, self._spans, self._opt_wait = [], [], {}
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        toks = torch.tensor(tokens, dtype=torch.int64).to(self.device, non_blocking=True)
-        inputs, targets = toks[..., :-1], toks[..., 1:]
+        inputs, targets = self._inputs_targets(tokens)
         M = inputs.shape[0]
         n_tokens = int((targets != IGNORE_INDEX).sum())
         inv_n = 1.0 / max(n_tokens, 1)
@@ -516,9 +527,8 @@ class GpuWorker:
 
     @torch.no_grad()
     def _evaluate(self, step: int, tokens: np.ndarray) -> dict:
-        toks = torch.tensor(tokens, dtype=torch.int64).to(self.device)
-        targets = toks[..., 1:]
-        xs, wh, we = self._forward_only(step, list(toks[..., :-1]))
+        inputs, targets = self._inputs_targets(tokens)
+        xs, wh, we = self._forward_only(step, list(inputs))
         loss, count = 0.0, 0
         chunk = self.cfg.train.loss_chunk_tokens
         for m, x in enumerate(xs):

@@ -8,6 +8,7 @@ USAGE = """usage: megaray COMMAND ...
 commands:
   train CONFIG [section.key=value ...]   train a model (CONFIG: a YAML file or 'demo')
   plan CONFIG [section.key=value ...]    the run's host/shared/GPU memory plan, checked here
+  prepare INPUT... --out DIR --seq-len N   tokenize jsonl/parquet/text into packed shards (Ray tasks)
   export RUN_OR_CHECKPOINT OUT_DIR         write a Hugging Face model directory
   bench [--shape S --seq N --tokens N ...] megaray vs a GPU-resident PyTorch baseline (needs a GPU)
 """
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         from megaray.pipelines.plan import main as plan_main
 
         return plan_main(rest)
+    if cmd == "prepare":
+        from megaray.pipelines.prepare import main as prepare_main
+
+        return prepare_main(rest)
     if cmd == "export":
         from megaray.pipelines.export import main as export_main
 

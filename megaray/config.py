@@ -135,15 +135,27 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     source: str = "stdlib"
-    """'stdlib': the running Python's standard-library source, byte-level tokens (no download)."""
+    """'stdlib': the running Python's standard-library source, byte-level tokens (no
+    download); 'shards': packed token shards written by ``megaray prepare`` (data.path)."""
+    path: str | None = None
+    """The folder ``megaray prepare`` wrote (source: shards)."""
+    shuffle: bool = True
+    """Shuffle the shards' rows, epoch by epoch, with run.seed (source: shards)."""
+    prefetch: int = 2
+    """Steps of batches the data actor prepares ahead of the one training."""
     max_bytes: int = 8_000_000
-    """How many bytes of the source corpus to read."""
+    """How many bytes of the source corpus to read (source: stdlib)."""
     holdout_fraction: float = 0.02
-    """Tail of the corpus kept out of training, for the evaluation loss."""
+    """Tail of the corpus kept out of training, for the evaluation loss (source: stdlib;
+    shards hold out what ``megaray prepare`` was told to)."""
 
     def __post_init__(self):
-        if self.source != "stdlib":
-            raise ConfigError("data.source", f"unknown source {self.source!r} (known: 'stdlib')")
+        if self.source not in ("stdlib", "shards"):
+            raise ConfigError("data.source", f"unknown source {self.source!r} (known: 'stdlib', 'shards')")
+        if self.source == "shards" and not self.path:
+            raise ConfigError("data.path", "source: shards needs the folder megaray prepare wrote")
+        if self.prefetch < 1:
+            raise ConfigError("data.prefetch", "must be >= 1")
         if self.max_bytes < 4096:
             raise ConfigError("data.max_bytes", "must be at least 4096")
         if not 0.0 <= self.holdout_fraction < 0.5:

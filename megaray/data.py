@@ -1,10 +1,11 @@
-"""The embedded demo corpus: the running Python's standard-library source.
+"""Data sources: the embedded demo corpus (the running Python's standard-library source),
+and the choice between it and ``megaray prepare``'s shards (``megaray.dataset``).
 
 Every machine that runs megaray has it, so the demo needs no download. Tokens are bytes
 (vocab 256), or, when the model comes from a Hugging Face directory with a tokenizer.json,
-that tokenizer's ids (through the ``tokenizers`` library). Batches are windows at random
-offsets drawn from a generator seeded by (seed, step), so the batch of step s is the same
-however the run got there.
+that tokenizer's ids (through the ``tokenizers`` library). Rows are windows at random
+offsets drawn from a generator seeded by (seed, stream position), so the rows at a position
+are the same however the run got there.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import sysconfig
 
 import numpy as np
 
-from megaray.config import DataConfig, TrainConfig
+from megaray.config import DataConfig, RunConfig
 from megaray.errors import DataError
 
 
@@ -38,7 +39,9 @@ def model_tokenizer(model_dir: str | None):
 class ByteCorpus:
     """A flat token array split into train and held-out parts."""
 
-    def __init__(self, data: DataConfig, tokenizer=None, vocab_size: int = 256):
+    def __init__(self, data: DataConfig, tokenizer=None, vocab_size: int = 256, seq_len: int = 256, seed: int = 0):
+        self.seq_len, self.seed = seq_len, seed
+        self.kind = "byte" if tokenizer is None else "tokenizer.json"
         chunks, total = [], 0
         for path in stdlib_files():
             try:
@@ -63,13 +66,33 @@ class ByteCorpus:
         cut = len(tokens) - int(len(tokens) * data.holdout_fraction)
         self.train, self.heldout = tokens[:cut], tokens[cut:]
 
-    def batch(self, step: int, train: TrainConfig, seed: int, split: str = "train") -> np.ndarray:
-        """int64 array [grad_accum, micro_batch_size, seq_len + 1] for ``step``."""
+    def rows_at(self, position: int, n: int, split: str = "train") -> dict:
+        """``n`` windows of seq_len + 1 tokens for stream position ``position``:
+        {"tokens": int64 [n, seq_len + 1]}, every token a target."""
         src = self.train if split == "train" else self.heldout
-        n = train.grad_accum * train.micro_batch_size
-        if len(src) <= train.seq_len + 1:
-            raise DataError(f"the {split} corpus ({len(src)} tokens) is shorter than seq_len + 1")
-        rng = np.random.default_rng([seed, step, 0 if split == "train" else 1])
-        starts = rng.integers(0, len(src) - train.seq_len - 1, size=n)
-        idx = starts[:, None] + np.arange(train.seq_len + 1)[None, :]
-        return src[idx].astype(np.int64).reshape(train.grad_accum, train.micro_batch_size, train.seq_len + 1)
+        if len(src) <= self.seq_len + 1:
+            raise DataError(f"the {split} corpus ({len(src)} tokens) is shorter than train.seq_len + 1")
+        rng = np.random.default_rng([self.seed, position, 0 if split == "train" else 1])
+        starts = rng.integers(0, len(src) - self.seq_len - 1, size=n)
+        idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
+        return {"tokens": src[idx].astype(np.int64)}
+
+    def describe(self) -> str:
+        return f"{len(self.train)} train / {len(self.heldout)} held-out {self.kind} tokens from the standard library"
+
+
+def open_source(cfg: RunConfig):
+    """The configured data source: something with ``rows_at(position, n, split)`` and ``describe()``."""
+    if cfg.data.source == "shards":
+        from megaray.dataset import ShardDataset
+
+        return ShardDataset(cfg.data.path, cfg.train.seq_len, cfg.model.vocab_size, cfg.run.seed, cfg.data.shuffle)
+    return ByteCorpus(cfg.data, model_tokenizer(cfg.model.from_path), cfg.model.vocab_size, cfg.train.seq_len,
+                      cfg.run.seed)
+
+
+def split_batch(batch):
+    """(tokens, loss_mask or None) of a batch: a token array, or {"tokens", "loss_mask"}."""
+    if isinstance(batch, dict):
+        return batch["tokens"], batch.get("loss_mask")
+    return batch, None

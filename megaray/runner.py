@@ -24,12 +24,12 @@ import time
 from pathlib import Path
 
 from megaray.config import RunConfig, dump_config
-from megaray.errors import ActorFailure, CheckpointError, RunStopped, TrainingDiverged
+from megaray.errors import ActorFailure, CheckpointError, MegarayError, RunStopped, TrainingDiverged
 
 log = logging.getLogger("megaray")
 
 TB_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops", "copy_in_gbps",
-              "copy_out_gbps", "exposed_optimizer_s", "host_memory_used_bytes", "gpu_memory_peak_bytes")
+              "copy_out_gbps", "exposed_optimizer_s", "host_memory_used_bytes", "gpu_memory_peak_bytes", "data_wait_s")
 
 
 def connect_ray(cfg: RunConfig) -> bool:
@@ -177,6 +177,67 @@ class Checkpointer:
         return m["step"], trainer
 
 
+class DataFeed:
+    """The run's DataFeeder actor, and the batches asked for ahead of the step that trains.
+
+    Batches are addressed by stream position (rows consumed so far), which checkpoints
+    store: a resumed run asks for exactly the rows that come next."""
+
+    def __init__(self, cfg: RunConfig, run_id: str):
+        import ray
+
+        from megaray.actors.data import DataFeeder
+        from megaray.actors.session import NAMESPACE
+
+        self.cfg = cfg
+        self.rows_per_step = cfg.train.grad_accum * cfg.train.micro_batch_size
+        self.actor = ray.remote(DataFeeder).options(name=f"megaray:{run_id}:data", namespace=NAMESPACE, num_cpus=0,
+                                                    max_restarts=0).remote(cfg)
+        self.ahead: dict = {}
+        self.description = self._get(self.actor.describe.remote())
+
+    def _get(self, ref):
+        import ray
+
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, MegarayError):
+                raise cause from None
+            raise ActorFailure("data", str(cause or e)) from None
+        except ray.exceptions.RayActorError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, MegarayError):        # the source failed to open
+                raise cause from None
+            raise ActorFailure("data", f"actor died: {e}") from None
+
+    def batch(self, position: int) -> tuple[dict, float, float]:
+        """The step batch at ``position``; also the seconds the driver waited for it and the
+        seconds the feeder took to build it."""
+        for k in range(self.cfg.data.prefetch + 1):
+            p = position + k * self.rows_per_step
+            if p not in self.ahead:
+                self.ahead[p] = self.actor.step_batch.remote(p)
+        ref = self.ahead.pop(position)
+        for p in [p for p in self.ahead if p < position]:
+            del self.ahead[p]
+        t0 = time.perf_counter()
+        r = self._get(ref)
+        return r["batch"], time.perf_counter() - t0, r["seconds"]
+
+    def heldout(self, micro_batches: int) -> dict:
+        return self._get(self.actor.step_batch.remote(0, micro_batches, "heldout"))["batch"]
+
+    def close(self) -> None:
+        import ray
+
+        try:
+            ray.kill(self.actor, no_restart=True)
+        except Exception:
+            pass
+
+
 def open_session(cfg: RunConfig, run_id: str, ckpt: Checkpointer, resume: str | None):
     """Start the actors and load the newest loadable checkpoint; returns (session, step, trainer)."""
     from megaray.actors.session import TrainingSession
@@ -226,7 +287,6 @@ def train(cfg: RunConfig, run_id: str | None = None, on_step=None) -> dict:
     from torch.utils.tensorboard import SummaryWriter
 
     from megaray.actors.session import new_run_id
-    from megaray.data import ByteCorpus, model_tokenizer
 
     run_id = run_id or new_run_id(cfg.run.name)
     run_dir = make_run_dir(cfg, run_id)
@@ -238,28 +298,29 @@ def train(cfg: RunConfig, run_id: str | None = None, on_step=None) -> dict:
     log.info("tensorboard --logdir %s", (run_dir / "tb").resolve())
     log.info("Ray dashboard: %s (actors are named megaray:%s:<role>)", dashboard_url(), run_id)
     t_start = time.perf_counter()
-    tok = model_tokenizer(cfg.model.from_path)
-    corpus = ByteCorpus(cfg.data, tok, cfg.model.vocab_size)
-    log.info("data: %d train / %d held-out %s tokens from the standard library", len(corpus.train),
-             len(corpus.heldout), "byte" if tok is None else f"{cfg.model.from_path}/tokenizer.json")
     tb = SummaryWriter(str(run_dir / "tb"))
     tb.add_text("config", "```\n" + dump_config(cfg) + "\n```", 0)
     metrics_file = open(run_dir / "metrics.jsonl", "w")
     summary: dict = {"run_id": run_id, "run_dir": str(run_dir), "status": "failed"}
     ckpt = Checkpointer(cfg, run_id)
     stop = _StopFlag()
-    session = None
+    session = feed = None
     try:
+        feed = DataFeed(cfg, run_id)
+        log.info("data: %s", feed.description)
         session, step, trainer = open_session(cfg, run_id, ckpt, cfg.checkpoint.resume)
+        R = feed.rows_per_step
+        position = trainer.get("data_position", step * R)
         first_step = step
         log.info("model: %.2fM parameters, %d tokens per step, steps %d..%d",
                  cfg.model.num_params() / 1e6, cfg.train.tokens_per_step, step, cfg.train.steps)
         progress = Progress(cfg.train.steps, start=step)
-        losses, restarts = [], 0
+        losses, restarts, data_t = [], 0, [0.0, 0.0, 0.0]     # data wait, data build, step time
         consecutive = trainer.get("consecutive_skipped", 0)
         while step < cfg.train.steps:
             try:
-                m = session.train_step(step, corpus.batch(step, cfg.train, cfg.run.seed))
+                batch, data_wait, data_build = feed.batch(position)
+                m = session.train_step(step, batch)
                 session.check_alive()
             except ActorFailure as e:
                 if restarts >= cfg.checkpoint.max_restarts:
@@ -268,6 +329,7 @@ def train(cfg: RunConfig, run_id: str | None = None, on_step=None) -> dict:
                 session.close()
                 session, resumed, trainer = open_session(cfg, run_id, ckpt, "auto")
                 consecutive = trainer.get("consecutive_skipped", 0)
+                position = trainer.get("data_position", resumed * R)
                 log.warning("%s; restarted the run's actors (restart %d of %d) from %s; redoing %d steps",
                             e, restarts, cfg.checkpoint.max_restarts,
                             f"the checkpoint of step {resumed}" if resumed else "the initial weights",
@@ -275,6 +337,9 @@ def train(cfg: RunConfig, run_id: str | None = None, on_step=None) -> dict:
                 summary.setdefault("restarts", []).append({"error": str(e), "at_step": step, "resumed_from": resumed})
                 step = resumed
                 continue
+            position += R
+            m.update(data_wait_s=data_wait, data_build_s=data_build, data_position=position)
+            data_t = [data_t[0] + data_wait, data_t[1] + data_build, data_t[2] + m["step_time_s"]]
             losses.append(m["loss"])
             consecutive = consecutive + 1 if m["skipped"] else 0
             if m["skipped"]:
@@ -294,17 +359,17 @@ def train(cfg: RunConfig, run_id: str | None = None, on_step=None) -> dict:
                 on_step(step, session)
             ev = cfg.train.eval_every
             if ev and step % ev == 0 and step < cfg.train.steps:
-                tb.add_scalar("eval/loss", _evaluate(session, corpus, cfg, step), step - 1)
+                tb.add_scalar("eval/loss", _evaluate(session, feed, cfg, step), step - 1)
             if stop.signal is not None:
                 if cfg.checkpoint.on_sigterm:
-                    ckpt.save(session, step, {"consecutive_skipped": consecutive})
+                    ckpt.save(session, step, {"consecutive_skipped": consecutive, "data_position": position})
                 summary.update(status="stopped", stopped_at_step=step)
                 raise RunStopped(f"stopped by signal {stop.signal} after step {step}")
             if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < cfg.train.steps:
-                ckpt.save(session, step, {"consecutive_skipped": consecutive})
-        eval_loss = _evaluate(session, corpus, cfg, cfg.train.steps)
+                ckpt.save(session, step, {"consecutive_skipped": consecutive, "data_position": position})
+        eval_loss = _evaluate(session, feed, cfg, cfg.train.steps)
         tb.add_scalar("eval/loss", eval_loss, cfg.train.steps - 1)
-        final = ckpt.save(session, cfg.train.steps, {"consecutive_skipped": consecutive})
+        final = ckpt.save(session, cfg.train.steps, {"consecutive_skipped": consecutive, "data_position": position})
         wall = time.perf_counter() - t_start
         tail = losses[-min(10, len(losses)):] or [float("nan")]
         summary.update({
@@ -312,6 +377,8 @@ def train(cfg: RunConfig, run_id: str | None = None, on_step=None) -> dict:
             "first_loss": losses[0] if losses else None, "last_loss": sum(tail) / len(tail),
             "heldout_loss": eval_loss, "wall_time_s": wall, "checkpoint": str(final) if final else None,
             "tokens_per_s": cfg.train.tokens_per_step * max(1, cfg.train.steps - first_step) / wall,
+            # the driver's wait for batches, and the data actor's work, against the steps' time
+            "data_wait_share": data_t[0] / max(data_t[2], 1e-9), "data_build_share": data_t[1] / max(data_t[2], 1e-9),
         })
         if losses:
             log.info("done: loss %.4f -> %.4f (mean of last %d), held-out %.4f, %s",
@@ -326,11 +393,12 @@ def train(cfg: RunConfig, run_id: str | None = None, on_step=None) -> dict:
         stop.restore()
         if session is not None:
             session.close()
+        if feed is not None:
+            feed.close()
         tb.close()
         metrics_file.close()
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
-def _evaluate(session, corpus, cfg: RunConfig, step: int) -> float:
-    ev_train = dataclasses.replace(cfg.train, grad_accum=max(1, cfg.train.eval_batches))
-    return session.evaluate(step, corpus.batch(0, ev_train, cfg.run.seed, split="heldout"))
+def _evaluate(session, feed: DataFeed, cfg: RunConfig, step: int) -> float:
+    return session.evaluate(step, feed.heldout(max(1, cfg.train.eval_batches)))

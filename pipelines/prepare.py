@@ -1,0 +1,43 @@
+"""Prepare entrypoint: ``megaray prepare INPUT [INPUT ...] --out DIR --seq-len N`` tokenizes
+jsonl, parquet or text files (or folders of them) into packed token shards with Ray tasks,
+for ``data.source: shards``. Exit status 2 on bad data (the message names the file and row)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None, prog: str = "megaray prepare") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p.add_argument("inputs", nargs="+", help="jsonl/parquet/txt files or folders")
+    p.add_argument("--out", required=True, help="the shard folder to create")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence (train.seq_len)")
+    p.add_argument("--kind", default="pretrain", choices=["pretrain", "sft"])
+    p.add_argument("--tokenizer", help="a model directory with tokenizer.json (default: byte-level tokens)")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--prompt-column", default="prompt")
+    p.add_argument("--response-column", default="response")
+    p.add_argument("--messages-column", default="messages")
+    p.add_argument("--on-bad-row", default="error", choices=["error", "skip"],
+                   help="stop at the first bad row (naming it), or skip and count bad rows")
+    p.add_argument("--holdout-fraction", type=float, default=0.01)
+    p.add_argument("--split-mb", type=float, default=64.0, help="input MB per Ray task")
+    p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray that prepare starts (default: all)")
+    a = p.parse_args(argv)
+    from megaray.dataset import PrepareOptions, prepare
+    from megaray.errors import DataError
+
+    try:
+        opts = PrepareOptions(seq_len=a.seq_len, kind=a.kind, text_column=a.text_column,
+                              prompt_column=a.prompt_column, response_column=a.response_column,
+                              messages_column=a.messages_column, tokenizer=a.tokenizer, on_bad_row=a.on_bad_row,
+                              holdout_fraction=a.holdout_fraction, split_mb=a.split_mb)
+        prepare(a.inputs, a.out, opts, log=lambda s: print(s, flush=True), num_cpus=a.num_cpus)
+    except DataError as e:
+        print(f"megaray: data error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog="python -m megaray.pipelines.prepare"))

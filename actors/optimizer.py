@@ -72,7 +72,7 @@ class OptimizerShard:
             self._fault(step)
             return self._apply(step, lr)
         except RunAborted as e:
-            raise ActorFailure(self.name, str(e), step) from None
+            raise ActorFailure(self.name, str(e), step, aborted=True) from None
         except Exception as e:
             self.buf.abort()
             raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e

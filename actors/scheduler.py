@@ -79,8 +79,17 @@ class Scheduler:
                 failed.append((main[0], main_fut))             # a peer's failure, if any, comes first
             if failed:
                 self._fail()
-                label, f = failed[0]
-                raise _as_failure(label, f.exception())
+                # Report the first cause, not an actor that only stopped because the run was
+                # aborted: when every failure so far is of that kind, give the rest a moment.
+                failures = [_as_failure(label, f.exception()) for label, f in failed]
+                if all(e.aborted for e in failures):
+                    rest = [f for f in [main_fut] + [f for _, f in seen.values()] if not f.done()]
+                    if rest:
+                        await asyncio.wait(rest, timeout=5.0)
+                    everything = [(main[0], main_fut)] + list(seen.values())
+                    failures = [_as_failure(label, f.exception()) for label, f in everything
+                                if f.done() and f.exception() is not None]
+                raise min(failures, key=lambda e: e.aborted)
             if main_fut.done():
                 return main_fut.result()
 

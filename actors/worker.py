@@ -290,7 +290,8 @@ class GpuWorker:
                 raise InjectedFault(f"injected crash at step {step}")
             return self._run_step(step, tokens)
         except RunAborted as e:
-            raise ActorFailure(self.name, self._shipping_error() or str(e), step) from None
+            raise ActorFailure(self.name, self._shipping_error() or str(e), step,
+                               aborted=self._shipping_error() is None) from None
         except Exception as e:
             self.buf.abort()
             raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
@@ -520,7 +521,7 @@ class GpuWorker:
         try:
             return self._evaluate(step, tokens)
         except RunAborted as e:
-            raise ActorFailure(self.name, str(e), step) from None
+            raise ActorFailure(self.name, str(e), step, aborted=True) from None
         except Exception as e:
             self.buf.abort()
             raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e

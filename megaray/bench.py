@@ -169,7 +169,9 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
     kept = med.get("worker/kept_blocks", 0)
     predicted = plan(cfg, keep=kept, on_gpu=cfg.worker.device == "cuda")
     gpu_peak = max(m.get("worker/gpu_peak_bytes", 0) for m in ms)
-    host_peak = max(m["host_memory_used_bytes"] for m in ms) - host_before
+    # less the copy of the initial weights this process holds for the baseline
+    state_bytes = sum(v.nbytes for v in state.values()) if state else 0
+    host_peak = max(m["host_memory_used_bytes"] for m in ms) - host_before - state_bytes
     out["planner"] = {"host_predicted_gib": predicted.host_total / 2**30, "host_measured_gib": host_peak / 2**30,
                       "gpu_predicted_gib": predicted.gpu_total / 2**30, "gpu_measured_gib": gpu_peak / 2**30,
                       "kept_blocks": kept}
@@ -259,7 +261,7 @@ def print_table(r: dict) -> None:
               f"loaded in {c['load_s']:.1f} s ({c['load_gbps']:.2f} GB/s)")
     pl = r["planner"]
     print(f"  planner: host {pl['host_predicted_gib']:.1f} GiB predicted, {pl['host_measured_gib']:.1f} GiB measured "
-          f"(system memory in use, less what was in use before); GPU {pl['gpu_predicted_gib']:.1f} GiB predicted "
+          f"(system memory in use, less what was in use before and the baseline's copy of the weights); GPU {pl['gpu_predicted_gib']:.1f} GiB predicted "
           f"(keeping {pl['kept_blocks']} blocks), {pl['gpu_measured_gib']:.1f} GiB peak allocated")
     for row in r.get("optimizer_scaling", []):
         print(f"  optimizer {row['shards']} shards x {row['threads_per_shard']} threads: "

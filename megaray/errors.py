@@ -41,17 +41,19 @@ class ModelFileError(MegarayError, ValueError):
 
 
 class ActorFailure(MegarayError, RuntimeError):
-    """An actor of a run failed; ``actor`` is its name (``megaray:<run>:optimizer-1``)."""
+    """An actor of a run failed; ``actor`` is its name (``megaray:<run>:optimizer-1``).
+    ``aborted`` is True when it only stopped because another actor failed first."""
 
-    def __init__(self, actor: str, message: str, step: int | None = None):
+    def __init__(self, actor: str, message: str, step: int | None = None, aborted: bool = False):
         self.actor = actor
         self.message = message
         self.step = step
+        self.aborted = aborted
         where = f" at step {step}" if step is not None else ""
         super().__init__(f"{actor} failed{where}: {message}")
 
     def __reduce__(self):
-        return (type(self), (self.actor, self.message, self.step))
+        return (type(self), (self.actor, self.message, self.step, self.aborted))
 
 
 class CheckpointError(MegarayError):

@@ -151,7 +151,7 @@ class TrainingSession:
             except ray.exceptions.RayError as e:
                 raise ActorFailure(self.actor_name(role), f"failed to start: {e}") from None
         ray.get(sched.attach.remote(worker, shards, names))
-        log.info("run %s: %d layer units in %d gradient pieces, %d optimizer shards, a ring of %d x %.1f MiB "
+        log.info("run %s: %d layer units in %d gradient pieces, %d optimizer shards, a ring of %d x %g MiB "
                  "gradient slabs, worker on %s", self.run_id, handles.num_units, len(handles.pieces), len(shards),
                  handles.ring_slabs, handles.slab_bytes / 2**20, self.device)
 

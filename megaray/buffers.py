@@ -260,7 +260,7 @@ class RunBuffers:
         return bool(self.control[2])
 
     def wait(self, ready, what: str, timeout_s: float) -> float:
-        """Spin-wait until ``ready()``; returns seconds waited. Raises on abort or timeout."""
+        """Wait until ``ready()``; returns seconds waited. Raises on abort or timeout."""
         if ready():
             return 0.0
         t0 = time.perf_counter()
@@ -272,5 +272,7 @@ class RunBuffers:
             if waited > timeout_s:
                 raise TimeoutError(f"waited {waited:.0f} s for {what} (worker.wait_timeout_s={timeout_s})")
             spins += 1
-            time.sleep(0 if spins < 100 else 0.0002)
+            # Spin briefly, then poll every 0.2 ms; a long wait (a shard waiting for the
+            # worker's whole backward) backs off to 5 ms so it leaves the cores to the others.
+            time.sleep(0 if spins < 100 else 0.0002 if waited < 0.05 else 0.001 if waited < 1.0 else 0.005)
         return time.perf_counter() - t0

@@ -214,9 +214,10 @@ class GpuWorker:
         busy = opt = other = 0.0
         for k, (u, a, b) in enumerate(self._spans):
             busy += el(a, b)
-            if k:
+            waited = self._opt_wait.pop(u, 0.0)         # only a unit's first region waited
+            if k:                                       # (before the first, it is outside the GPU work)
                 gap = max(0.0, el(self._spans[k - 1][2], a))
-                w = min(gap, self._opt_wait.pop(u, 0.0))
+                w = min(gap, waited)
                 opt, other = opt + w, other + gap - w
         return {"compute_s": busy, "gap_optimizer_s": opt, "gap_other_s": other}
 

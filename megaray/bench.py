@@ -121,8 +121,8 @@ def breakdown(m: dict) -> dict:
     - idle waiting for the optimizer: gaps between compute regions before a layer whose
       weights had to wait for their update (counted up to that wait);
     - idle waiting for copy-in or launches: the other gaps between compute regions;
-    - outside the GPU work: the rest of the step (the Ray call that starts it, the loss and
-      norm reaching the host, the verdict).
+    - outside the GPU work: the rest of the step (the Ray call that starts it, the wait for
+      the first layer's weights, the loss and norm reaching the host, the verdict).
     Copy-in, copy-out and the optimizer's update time overlap compute; they are listed after.
     """
     step, compute = m["step_time_s"], m.get("worker/compute_s", 0.0)

@@ -189,9 +189,9 @@ class DataFeed:
         from megaray.actors.data import DataFeeder
         from megaray.actors.session import NAMESPACE
 
-        self.cfg = cfg
+        self.cfg, self.name = cfg, f"megaray:{run_id}:data"
         self.rows_per_step = cfg.train.grad_accum * cfg.train.micro_batch_size
-        self.actor = ray.remote(DataFeeder).options(name=f"megaray:{run_id}:data", namespace=NAMESPACE, num_cpus=0,
+        self.actor = ray.remote(DataFeeder).options(name=self.name, namespace=NAMESPACE, num_cpus=0,
                                                     max_restarts=0).remote(cfg)
         self.ahead: dict = {}
         self.description = self._get(self.actor.describe.remote())
@@ -205,12 +205,12 @@ class DataFeed:
             cause = getattr(e, "cause", None)
             if isinstance(cause, MegarayError):
                 raise cause from None
-            raise ActorFailure("data", str(cause or e)) from None
+            raise ActorFailure(self.name, str(cause or e)) from None
         except ray.exceptions.RayActorError as e:
             cause = getattr(e, "cause", None)
             if isinstance(cause, MegarayError):        # the source failed to open
                 raise cause from None
-            raise ActorFailure("data", f"actor died: {e}") from None
+            raise ActorFailure(self.name, f"actor died: {e}") from None
 
     def batch(self, position: int) -> tuple[dict, float, float]:
         """The step batch at ``position``; also the seconds the driver waited for it and the

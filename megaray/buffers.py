@@ -107,6 +107,7 @@ class Handles:
     pieces: tuple[Piece, ...]
     slab_numel: int
     ring_slabs: int
+    unit_piece_ranges: tuple[tuple[int, int], ...]     # unit -> [first piece, last piece + 1)
 
     @classmethod
     def plan(cls, run_id: str, owner_pid: int, shm_dir: str, compute_dtype: str, units,
@@ -119,8 +120,10 @@ class Handles:
             c_off, c_bytes = unit_offsets(units, DTYPES[compute_dtype].itemsize)
         pieces = cut_pieces(units, slab_numel)
         slab_numel = min(slab_numel, max(p.numel for p in pieces))   # no slab larger than the largest piece
+        ranges = tuple((min(p.index for p in pieces if p.unit == u.index),
+                        max(p.index for p in pieces if p.unit == u.index) + 1) for u in units)
         return cls(run_id, owner_pid, shm_dir, compute_dtype, units, m_off, m_bytes, c_off, c_bytes,
-                   pieces, slab_numel, ring_slabs)
+                   pieces, slab_numel, ring_slabs, ranges)
 
     @classmethod
     def for_config(cls, cfg, run_id: str, owner_pid: int, units) -> "Handles":
@@ -129,8 +132,7 @@ class Handles:
 
     def unit_pieces(self, u: int) -> range:
         """Indices of unit u's pieces (consecutive, since pieces are cut in unit order)."""
-        idx = [p.index for p in self.pieces if p.unit == u]
-        return range(idx[0], idx[-1] + 1)
+        return range(*self.unit_piece_ranges[u])
 
     @property
     def slab_bytes(self) -> int:

@@ -53,7 +53,6 @@ class OptimizerShard:
             self.opts[i].state[self.params[i]] = {"step": torch.zeros((), dtype=torch.float32),
                                                   "exp_avg": torch.zeros_like(self.params[i]),
                                                   "exp_avg_sq": torch.zeros_like(self.params[i])}
-        self.numel = sum(handles.pieces[i].numel for i in self.pieces)
         self.metrics = RunMetrics(handles.run_id, name.rsplit(":", 1)[-1], {
             "optimizer_seconds": "Time this optimizer shard spent updating in its last step",
             "optimizer_params_per_second": "This shard's AdamW update rate in its last step"})

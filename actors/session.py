@@ -42,6 +42,22 @@ def resolve_device(cfg: RunConfig) -> str:
     return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
 
 
+def get_or_raise(ref, actor: str):
+    """ray.get that turns an actor's failure into megaray's own error type: the actor's
+    MegarayError itself (also one its constructor raised), else ActorFailure naming it."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        if isinstance(cause, MegarayError):
+            raise cause from None
+        raise ActorFailure(actor, str(cause)) from None
+    except ray.exceptions.RayActorError as e:
+        if isinstance(getattr(e, "cause", None), MegarayError):
+            raise e.cause from None
+        raise ActorFailure(actor, f"actor died: {e}") from None
+
+
 @ray.remote(num_gpus=1, num_cpus=0, max_calls=1)   # its CUDA context leaves with it
 def _gpu_free() -> int:
     import torch
@@ -157,16 +173,7 @@ class TrainingSession:
 
     # ------------------------------------------------------------------ driving
     def _call(self, ref, who: str = "scheduler"):
-        """ray.get that turns an actor's failure into megaray's own error type."""
-        try:
-            return ray.get(ref)
-        except ray.exceptions.RayTaskError as e:
-            cause = e.cause if getattr(e, "cause", None) is not None else e
-            if isinstance(cause, MegarayError):
-                raise cause from None
-            raise ActorFailure(self.actor_name(who), str(cause)) from None
-        except ray.exceptions.RayActorError as e:
-            raise ActorFailure(self.actor_name(who), f"actor died: {e}") from None
+        return get_or_raise(ref, self.actor_name(who))
 
     def train_step(self, step: int, tokens: np.ndarray) -> dict:
         return self._call(self.actors["scheduler"].train_step.remote(step, tokens))

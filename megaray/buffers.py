@@ -222,9 +222,6 @@ class RunBuffers:
         r = self.h.unit_pieces(u)
         return int(self.control[self._ver + r.start: self._ver + r.stop].min())
 
-    def set_all_versions(self, v: int) -> None:
-        self.control[self._ver: self._ver + len(self.h.pieces)] = v
-
     def slab_piece(self, s: int) -> int:
         """p + 1 when slab s holds piece p, 0 when it is free."""
         return int(self.control[self._slab + s])
@@ -239,14 +236,11 @@ class RunBuffers:
     def free_slab(self, s: int) -> None:
         self.control[self._slab + s] = 0
 
-    def clear_ring(self) -> None:
-        self.control[self._slab: self._slab + self.h.ring_slabs] = 0
-
     def reset(self, step: int) -> None:
         """State of a run whose weights are those after ``step`` steps: every piece at that
         version, the ring empty, nothing decided beyond it."""
-        self.set_all_versions(step)
-        self.clear_ring()
+        self.control[self._ver: self._ver + len(self.h.pieces)] = step
+        self.control[self._slab: self._slab + self.h.ring_slabs] = 0
         self.control[1] = step
 
     def decide(self, step: int, apply: bool) -> None:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from megaray.config import RunConfig, dump_config
-from megaray.errors import ActorFailure, CheckpointError, MegarayError, RunStopped, TrainingDiverged
+from megaray.errors import ActorFailure, CheckpointError, RunStopped, TrainingDiverged
 
 log = logging.getLogger("megaray")
 
@@ -197,20 +197,9 @@ class DataFeed:
         self.description = self._get(self.actor.describe.remote())
 
     def _get(self, ref):
-        import ray
+        from megaray.actors.session import get_or_raise
 
-        try:
-            return ray.get(ref)
-        except ray.exceptions.RayTaskError as e:
-            cause = getattr(e, "cause", None)
-            if isinstance(cause, MegarayError):
-                raise cause from None
-            raise ActorFailure(self.name, str(cause or e)) from None
-        except ray.exceptions.RayActorError as e:
-            cause = getattr(e, "cause", None)
-            if isinstance(cause, MegarayError):        # the source failed to open
-                raise cause from None
-            raise ActorFailure(self.name, f"actor died: {e}") from None
+        return get_or_raise(ref, self.name)
 
     def batch(self, position: int) -> tuple[dict, float, float]:
         """The step batch at ``position``; also the seconds the driver waited for it and the

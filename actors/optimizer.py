@@ -16,6 +16,14 @@ order, so the worker never reads a half-written layer nor overwrites an unread g
 The gradient arrives already clipped: the worker scales it on the GPU by the exact global
 clip coefficient before it leaves. A skipped step (non-finite loss or gradient) bumps the
 versions and touches nothing else.
+
+Reduced precision (``optim.moment_dtype`` / ``optim.master_dtype`` bfloat16): the update
+runs the same fused AdamW kernel in fp32 on cache-sized chunks of the piece, upcasting the
+stored moments and weights into scratch and storing them back: moments rounded to nearest,
+bf16 master weights with stochastic rounding (a uniform 16-bit dither below the bf16 mantissa
+before truncation, drawn from (seed, piece, step), so a resumed run rounds as the
+uninterrupted one would), so an update smaller than half a bf16 step still moves a weight by that
+amount on average instead of vanishing.
 """
 from __future__ import annotations
 
@@ -25,12 +33,24 @@ from pathlib import Path
 
 import torch
 
-from megaray.buffers import Handles, RunBuffers
+from megaray.buffers import DTYPES, Handles, RunBuffers
 from megaray.config import RunConfig
 from megaray.checkpoint import crc32_file, verify_file
 from megaray.errors import ActorFailure, CheckpointError, InjectedFault, RunAborted
 
 from .metrics import RunMetrics
+
+CHUNK = 1 << 18     # elements of one fp32 scratch chunk in the reduced-precision update
+
+
+def stochastic_round_bf16(x: torch.Tensor, out: torch.Tensor, gen: torch.Generator) -> None:
+    """Store fp32 ``x`` into bf16 ``out`` rounding up with probability equal to the dropped
+    fraction: add uniform noise to the 16 bits bf16 drops, then truncate them."""
+    bits = x.view(torch.int32)
+    noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, generator=gen)
+    finite = torch.isfinite(x)
+    dithered = torch.where(finite, (bits + noise) & ~0xFFFF, bits)   # inf and nan keep their bits
+    out.copy_(dithered.view(torch.float32))                          # exact: the low 16 bits are zero
 
 
 class OptimizerShard:
@@ -41,6 +61,10 @@ class OptimizerShard:
         o = cfg.optim
         self.opts: dict[int, torch.optim.AdamW] = {}
         self.params: dict[int, torch.Tensor] = {}
+        self.moment_dtype = DTYPES[o.moment_dtype]
+        # torch's own fused AdamW step when everything is fp32; else the chunked fp32 update.
+        self.reduced = o.moment_dtype != "float32" or handles.master_dtype != "float32"
+        self._gen = torch.Generator()
         for i in self.pieces:
             piece = handles.pieces[i]
             wd = o.weight_decay if piece.decay or o.decay_norms_and_biases else 0.0
@@ -50,9 +74,10 @@ class OptimizerShard:
             # Moments allocated (and their pages touched) now, not in the first step: the
             # memory the plan counted is taken before training starts, and step 0's update
             # runs as fast as the others.
-            self.opts[i].state[self.params[i]] = {"step": torch.zeros((), dtype=torch.float32),
-                                                  "exp_avg": torch.zeros_like(self.params[i]),
-                                                  "exp_avg_sq": torch.zeros_like(self.params[i])}
+            self.opts[i].state[self.params[i]] = {
+                "step": torch.zeros((), dtype=torch.float32),
+                "exp_avg": torch.zeros(piece.numel, dtype=self.moment_dtype),
+                "exp_avg_sq": torch.zeros(piece.numel, dtype=self.moment_dtype)}
         self.metrics = RunMetrics(handles.run_id, name.rsplit(":", 1)[-1], {
             "optimizer_seconds": "Time this optimizer shard spent updating in its last step",
             "optimizer_params_per_second": "This shard's AdamW update rate in its last step"})
@@ -109,11 +134,37 @@ class OptimizerShard:
     def _update(self, i: int, grad: torch.Tensor, lr: float) -> None:
         p, opt = self.params[i], self.opts[i]
         opt.param_groups[0]["lr"] = lr
-        p.grad = grad
-        opt.step()
-        p.grad = None
+        if self.reduced:
+            self._update_chunked(i, p, grad, opt)
+        else:
+            p.grad = grad
+            opt.step()
+            p.grad = None
         if not self.h.aliased:
             self.buf.piece_compute(self.h.pieces[i]).copy_(p)
+
+    def _update_chunked(self, i: int, p: torch.Tensor, grad: torch.Tensor, opt: torch.optim.AdamW) -> None:
+        """AdamW in fp32 over CHUNK-sized scratch copies of reduced-precision weights or moments."""
+        g = opt.param_groups[0]
+        st = opt.state[p]
+        st["step"] += 1
+        # The rounding noise is a function of (seed, piece, its step count): a resumed run
+        # draws exactly what the uninterrupted one did.
+        self._gen.manual_seed((self.cfg.run.seed * 1_000_003 + i) * 1_000_033 + int(st["step"]))
+        m_all, v_all = st["exp_avg"], st["exp_avg_sq"]
+        for a in range(0, p.numel(), CHUNK):
+            b = min(a + CHUNK, p.numel())
+            pw = p[a:b] if p.dtype == torch.float32 else p[a:b].float()
+            m = m_all[a:b] if m_all.dtype == torch.float32 else m_all[a:b].float()
+            v = v_all[a:b] if v_all.dtype == torch.float32 else v_all[a:b].float()
+            torch._fused_adamw_([pw], [grad[a:b]], [m], [v], [], [st["step"]], lr=g["lr"], beta1=g["betas"][0],
+                                beta2=g["betas"][1], weight_decay=g["weight_decay"], eps=g["eps"],
+                                amsgrad=False, maximize=False)
+            if p.dtype != torch.float32:
+                stochastic_round_bf16(pw, p[a:b], self._gen)
+            if m_all.dtype != torch.float32:
+                m_all[a:b].copy_(m)
+                v_all[a:b].copy_(v)
 
     def save(self, folder: str, k: int) -> dict:
         """Write this shard's AdamW states (moments, step counts) by piece as ``optim-<k>.pt``."""
@@ -146,6 +197,9 @@ class OptimizerShard:
                 raise CheckpointError(f"checkpoint part {path} cannot be read: {e}") from None
             for i in mine:
                 self.opts[i].load_state_dict(states[i])
+                st = self.opts[i].state[self.params[i]]     # load_state_dict casts to the master's dtype
+                for k in ("exp_avg", "exp_avg_sq"):
+                    st[k] = st[k].to(self.moment_dtype)
             need -= mine
         if need:
             raise CheckpointError(f"{folder}: no optimizer state for gradient pieces {sorted(need)}")

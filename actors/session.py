@@ -142,7 +142,7 @@ class TrainingSession:
         if self.cfg.model.from_path:
             r = self.weights_report
             log.info("loaded %s: %d tensors, %.2f GB (%s) in %.1f s; store peak RSS %.2f GB for %.2f GB of "
-                     "fp32 masters", self.cfg.model.from_path, r["tensors"], r["source_bytes"] / 1e9,
+                     "masters", self.cfg.model.from_path, r["tensors"], r["source_bytes"] / 1e9,
                      ",".join(r["source_dtypes"]), r["seconds"], r["peak_rss_bytes"] / 1e9, r["master_bytes"] / 1e9)
         self.handles = handles
         self.buf = RunBuffers(handles, kinds=("control",))
@@ -185,7 +185,7 @@ class TrainingSession:
         self._call(self.actors["scheduler"].drain.remote())
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """fp32 master weights by Hugging Face name, after all pending updates.
+        """Master weights (as fp32) by Hugging Face name, after all pending updates.
 
         Read straight from the shared master file (no copy through Ray's object store).
         """
@@ -195,7 +195,7 @@ class TrainingSession:
         for u in self.handles.units:
             flat = master.master(u.index)
             for s in u.params:
-                out[s.name] = flat[s.offset:s.offset + s.numel].view(s.shape).numpy().copy()
+                out[s.name] = flat[s.offset:s.offset + s.numel].view(s.shape).float().numpy().copy()
         return out
 
     def gradients(self) -> dict[str, np.ndarray]:

@@ -55,15 +55,20 @@ class ParameterStore:
         return self.h
 
     def save(self, folder: str) -> dict:
-        """Write the fp32 master weights of every unit as ``master.bin``; returns its part entry."""
+        """Write the master weights of every unit as ``master.bin``; returns its part entry
+        (which names the master's dtype)."""
         data = memoryview(self.buf.files["master"].bytes.numpy())[: self.h.master_bytes]
-        return {"master.bin": write_bytes(Path(folder) / "master.bin", data)}
+        return {"master.bin": {**write_bytes(Path(folder) / "master.bin", data), "dtype": self.h.master_dtype}}
 
     def load(self, folder: str, parts: dict, step: int) -> None:
         """Read ``master.bin`` (verifying its checksum), refresh the compute copy, and mark
         every piece as updated through ``step`` steps so the worker may read it for ``step``."""
         if "master.bin" not in parts:
             raise CheckpointError(f"{folder}: the manifest lists no master.bin")
+        dtype = parts["master.bin"].get("dtype", "float32")
+        if dtype != self.h.master_dtype:
+            raise CheckpointError(f"{folder}: master.bin holds {dtype} weights, this run keeps {self.h.master_dtype} "
+                                  "(optim.master_dtype must match the checkpoint's)")
         out = memoryview(self.buf.files["master"].bytes.numpy())[: self.h.master_bytes]
         read_into(Path(folder) / "master.bin", out, parts["master.bin"])
         for u in self.h.units:

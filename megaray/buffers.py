@@ -5,9 +5,10 @@ offsets, dtypes, the model layout and the gradient pieces. Every actor attaches 
 needs from it.
 
 Files of one run (see ``megaray.shm`` for naming):
-- ``master``: fp32 master weights, one flat region per layer unit.
-- ``compute``: the compute-dtype copy the worker reads (absent when compute is fp32: then
-  the worker reads the master regions themselves).
+- ``master``: master weights (fp32, or bf16 with ``optim.master_dtype``), one flat region
+  per layer unit.
+- ``compute``: the compute-dtype copy the worker reads (absent when the compute dtype is
+  the master's: then the worker reads the master regions themselves).
 - ``ring``: the gradient ring, R slabs of ``optim.grad_slab_mib`` each. A unit's flat fp32
   gradient is cut into pieces of at most one slab (split at the unit's decay boundary too);
   piece p of a step always travels through slab ``p mod R``. Gradients use no other host
@@ -99,6 +100,7 @@ class Handles:
     owner_pid: int
     shm_dir: str
     compute_dtype: str
+    master_dtype: str
     units: tuple[UnitLayout, ...]
     master_offsets: tuple[int, ...]
     master_bytes: int
@@ -111,10 +113,10 @@ class Handles:
 
     @classmethod
     def plan(cls, run_id: str, owner_pid: int, shm_dir: str, compute_dtype: str, units,
-             slab_numel: int, ring_slabs: int) -> "Handles":
+             slab_numel: int, ring_slabs: int, master_dtype: str = "float32") -> "Handles":
         units = tuple(units)
-        m_off, m_bytes = unit_offsets(units, 4)
-        if compute_dtype == "float32":
+        m_off, m_bytes = unit_offsets(units, DTYPES[master_dtype].itemsize)
+        if compute_dtype == master_dtype:
             c_off, c_bytes = m_off, 0
         else:
             c_off, c_bytes = unit_offsets(units, DTYPES[compute_dtype].itemsize)
@@ -122,13 +124,13 @@ class Handles:
         slab_numel = min(slab_numel, max(p.numel for p in pieces))   # no slab larger than the largest piece
         ranges = tuple((min(p.index for p in pieces if p.unit == u.index),
                         max(p.index for p in pieces if p.unit == u.index) + 1) for u in units)
-        return cls(run_id, owner_pid, shm_dir, compute_dtype, units, m_off, m_bytes, c_off, c_bytes,
+        return cls(run_id, owner_pid, shm_dir, compute_dtype, master_dtype, units, m_off, m_bytes, c_off, c_bytes,
                    pieces, slab_numel, ring_slabs, ranges)
 
     @classmethod
     def for_config(cls, cfg, run_id: str, owner_pid: int, units) -> "Handles":
         return cls.plan(run_id, owner_pid, cfg.cluster.shm_dir, cfg.train.compute_dtype, units,
-                        cfg.optim.slab_numel, cfg.optim.ring_slabs)
+                        cfg.optim.slab_numel, cfg.optim.ring_slabs, cfg.optim.master_dtype)
 
     def unit_pieces(self, u: int) -> range:
         """Indices of unit u's pieces (consecutive, since pieces are cut in unit order)."""
@@ -144,7 +146,7 @@ class Handles:
 
     @property
     def aliased(self) -> bool:
-        """The worker reads the fp32 master itself (no separate compute copy)."""
+        """The worker reads the master itself (no separate compute copy)."""
         return self.compute_bytes == 0
 
     @property
@@ -185,7 +187,7 @@ class RunBuffers:
         self._ver, self._slab, self._slab_step = 3, 3 + P, 3 + P + R
 
     def master(self, u: int) -> torch.Tensor:
-        return self.files["master"].view(torch.float32, self.h.master_offsets[u], self.h.units[u].numel)
+        return self.files["master"].view(DTYPES[self.h.master_dtype], self.h.master_offsets[u], self.h.units[u].numel)
 
     def compute(self, u: int) -> torch.Tensor:
         if self.h.aliased:

@@ -3,7 +3,8 @@
 Layout of one checkpoint (``<checkpoint.dir>/step-00000120/``):
 
     manifest.json     written last: step, parts with byte counts and CRC32s, when, what run
-    master.bin        fp32 master weights, every unit, as the store's shared file holds them
+    master.bin        master weights (fp32, or bf16: optim.master_dtype), every unit, as the
+                      store's shared file holds them
     optim-<k>.pt      optimizer shard k's AdamW state (moments, step counts) by unit index
     trainer.json      scheduler counters, the next step (= data position), LR schedule inputs
 

@@ -236,6 +236,14 @@ class OptimConfig:
     grad_ring_slabs: int | None = None
     """Pinned host slabs in the gradient ring (the only host memory gradients use);
     null: 2 per optimizer shard, so every shard has one piece to update and one arriving."""
+    moment_dtype: str = "float32"
+    """Dtype of the Adam moments: float32 (8 bytes a parameter) or bfloat16 (4: the update
+    still computes in fp32 and rounds the moments to nearest when it stores them)."""
+    master_dtype: str = "float32"
+    """Dtype of the master weights: float32, or bfloat16 (needs train.compute_dtype
+    bfloat16; the worker then reads the master itself, saving the compute copy too: 6 bytes
+    a parameter become 2). The update computes in fp32 and stores the weights with
+    stochastic rounding, so updates smaller than a bf16 step still move them on average."""
 
     def __post_init__(self):
         if not self.lr > 0:
@@ -264,6 +272,9 @@ class OptimConfig:
             raise ConfigError("optim.grad_ring_slabs", "must be >= 1 or null")
         if self.shard_layout not in ("contiguous", "interleaved"):
             raise ConfigError("optim.shard_layout", f"must be contiguous or interleaved (got {self.shard_layout!r})")
+        for key in ("moment_dtype", "master_dtype"):
+            if getattr(self, key) not in _DTYPES:
+                raise ConfigError(f"optim.{key}", f"must be one of {_DTYPES} (got {getattr(self, key)!r})")
 
     @property
     def slab_numel(self) -> int:
@@ -375,6 +386,9 @@ class RunConfig:
                 f"{self.optim.num_shards} optimizer shards for {units} layer units "
                 f"({self.model.num_hidden_layers} blocks + embedding + head): at most {units}",
             )
+        if self.optim.master_dtype == "bfloat16" and self.train.compute_dtype != "bfloat16":
+            raise ConfigError("optim.master_dtype", "a bfloat16 master needs train.compute_dtype: bfloat16 "
+                                                    f"(got {self.train.compute_dtype})")
         sw = self.model.sliding_window
         if sw is not None and self.train.seq_len > sw:
             raise ConfigError("model.from", f"sliding_window={sw} is shorter than train.seq_len={self.train.seq_len}; "

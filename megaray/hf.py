@@ -272,16 +272,21 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     units = build_layout(model)
     from megaray.buffers import unit_offsets
 
-    offsets, _ = unit_offsets(units, 4)      # master.bin is the master file, byte for byte
+    stored = m["parts"]["master.bin"].get("dtype", "float32")
+    size = {"float32": 4, "bfloat16": 2}[stored]
+    offsets, _ = unit_offsets(units, size)   # master.bin is the master file, byte for byte
     master = np.memmap(ck / "master.bin", dtype=np.uint8, mode="r")
     where = {}
     for u in units:
         base = offsets[u.index]
         for s in u.params:
-            where[s.name] = (base + 4 * s.offset, s.numel, s.shape)
+            where[s.name] = (base + size * s.offset, s.numel, s.shape)
 
     def get(name):
         off, n, shape = where[name]
+        if size == 2:   # bf16: numpy has no such dtype, so read the raw 16 bits
+            raw = np.frombuffer(master, dtype=np.int16, count=n, offset=off).copy()
+            return torch.from_numpy(raw).view(torch.bfloat16).float().view(shape)
         return torch.from_numpy(np.frombuffer(master, dtype=np.float32, count=n, offset=off).copy()).view(shape)
 
     specs = [(s.name, s.numel) for u in units for s in u.params]

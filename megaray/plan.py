@@ -2,11 +2,12 @@
 is allocated.
 
 ``plan(cfg)`` counts, from the config alone:
-- host shared memory (``cluster.shm_dir``): fp32 masters, the compute-dtype copy (none for
-  fp32 compute), the gradient ring (``optim.grad_ring_slabs`` slabs of
+- host shared memory (``cluster.shm_dir``): masters (``optim.master_dtype``), the
+  compute-dtype copy (none when it is the master's dtype), the gradient ring (``optim.grad_ring_slabs`` slabs of
   ``optim.grad_slab_mib``), control words, all page-aligned as ``megaray.buffers`` lays
   them out; plus Ray's object store, which lives in /dev/shm too;
-- host private memory: fp32 Adam moments (8 bytes a parameter, in the optimizer shards), a
+- host private memory: Adam moments (8 bytes a parameter in fp32, 4 in bf16:
+  ``optim.moment_dtype``; in the optimizer shards), a
   fixed allowance per actor process for the interpreter and torch, and, when the worker
   computes on the CPU, the step's gradients it holds until the norm is known;
 - the GPU: the four weight slots (embedding, head, two blocks), the saved block inputs of a
@@ -33,6 +34,7 @@ from megaray.memory import block_internal_bytes_per_token
 from megaray.model import build_layout
 
 GiB = 2**30
+_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 PROCESS_BYTES = int(0.4 * GiB)   # one actor process: interpreter, torch, Ray worker
 CUDA_CONTEXT_BYTES = 1 * GiB
 
@@ -83,7 +85,7 @@ class Plan:
     @property
     def host_bytes_per_param(self) -> float:
         """Training state per parameter: shared memory (object store included) and moments."""
-        state = self.shm_total + self.host_private["adam moments (fp32)"]
+        state = self.shm_total + sum(v for k, v in self.host_private.items() if k.startswith("adam moments"))
         return state / self.params
 
     def report(self, machine: Machine | None = None) -> str:
@@ -107,12 +109,13 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True) -> Plan:
     units = build_layout(m)
     h = Handles.for_config(cfg, "plan", 0, units)
     p = Plan(params=m.num_params())
-    p.shm = {"fp32 master weights": h.master_bytes, f"{t.compute_dtype} compute copy": h.compute_bytes,
+    o = cfg.optim
+    p.shm = {f"{_SHORT[o.master_dtype]} master weights": h.master_bytes, f"{t.compute_dtype} compute copy": h.compute_bytes,
              f"gradient ring ({h.ring_slabs} x {h.slab_bytes / 2**20:g} MiB)": h.ring_bytes,
              "control words": h.control_bytes}
     if cfg.cluster.address is None:
         p.shm["ray object store"] = cfg.cluster.object_store_mb * 2**20
-    p.host_private = {"adam moments (fp32)": 8 * p.params,
+    p.host_private = {f"adam moments ({_SHORT[o.moment_dtype]})": 2 * DTYPES[o.moment_dtype].itemsize * p.params,
                       "actor processes": PROCESS_BYTES * (cfg.optim.num_shards + 4)}
     if not on_gpu:
         p.host_private["step gradients held by the worker (CPU device)"] = 4 * p.params
@@ -140,6 +143,28 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True) -> Plan:
         "CUDA context and allocator slack": CUDA_CONTEXT_BYTES,
     }
     return p
+
+
+def savings(cfg: RunConfig) -> list[tuple[str, int, float]]:
+    """What each reduced-precision option not yet on would save: (override, host bytes
+    saved, host bytes per parameter with it)."""
+    import dataclasses
+
+    base = plan(cfg)
+    out = []
+    for key, value in (("moment_dtype", "bfloat16"), ("master_dtype", "bfloat16")):
+        if getattr(cfg.optim, key) == value:
+            continue
+        changes = {key: value}
+        if key == "master_dtype" and cfg.train.compute_dtype != "bfloat16":
+            continue            # a bf16 master needs bf16 compute
+        alt = plan(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **changes)))
+        out.append((f"optim.{key}={value}", base.host_total - alt.host_total, alt.host_bytes_per_param))
+    if len(out) == 2:
+        both = plan(dataclasses.replace(cfg, optim=dataclasses.replace(
+            cfg.optim, moment_dtype="bfloat16", master_dtype="bfloat16")))
+        out.append(("both", base.host_total - both.host_total, both.host_bytes_per_param))
+    return out
 
 
 def shortfalls(p: Plan, machine: Machine) -> list[str]:

@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     a = p.parse_args(argv)
     from megaray.config import load_config
     from megaray.errors import ConfigError
-    from megaray.plan import Machine, largest_fit, plan, shortfalls
+    from megaray.plan import Machine, largest_fit, plan, savings, shortfalls
 
     try:
         cfg = load_config(a.config, a.overrides)
@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     machine = Machine.here(cfg.cluster.shm_dir, probe_gpu=cfg.worker.device != "cpu")
     pl = plan(cfg)
     print(pl.report(machine))
+    for override, saved, per_param in savings(cfg):
+        print(f"option {override}: saves {saved / 2**30:.2f} GiB of host memory ({per_param:.2f} bytes/param)")
     if machine.gpu_bytes is not None:
         mb, seq = largest_fit(cfg, machine)
         print(f"largest micro_batch_size at seq_len {cfg.train.seq_len}: {mb}; "

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
+import torch
 
 from megaray.actors.session import NAMESPACE
 from megaray.checkpoint import complete_checkpoints, read_manifest
@@ -86,6 +87,41 @@ def test_resume_continues_bit_for_bit(reference_run, tmp_path):
     for step, loss in resumed.items():
         assert loss == ref_losses[step]                        # bit for bit
     assert _master(Path(s["checkpoint"])) == _master(ref_ckpt)
+
+
+def test_bf16_master_and_moments_train_resume_and_export(ray_cluster, tmp_path):
+    """The reduced-precision options end to end: a run learns, resumes bit for bit from its
+    own checkpoint, refuses a checkpoint of the other master dtype, and exports fp32."""
+    opts = ["train.compute_dtype=bfloat16", "optim.master_dtype=bfloat16", "optim.moment_dtype=bfloat16"]
+    ref = train(_cfg(tmp_path / "ref", "checkpoint.resume=null", *opts))
+    ref_losses = _losses(ref)
+    assert ref_losses[5] < ref_losses[0]
+    ck = Path(ref["checkpoint"])
+    assert read_manifest(ck)["parts"]["master.bin"]["dtype"] == "bfloat16"
+    n = load_config("debug").model.num_params()
+    assert os.path.getsize(ck / "master.bin") < 2 * n + 4 * 4096         # 2 bytes a parameter (page-aligned units)
+    for st in torch.load(ck / "optim-0.pt", weights_only=True)["pieces"].values():
+        assert st["state"][0]["exp_avg"].dtype == torch.bfloat16
+
+    def interrupt(step, session):
+        if step == 4:
+            raise KeyError("interrupt")
+
+    with pytest.raises(KeyError):
+        train(_cfg(tmp_path, "checkpoint.every=3", *opts), on_step=interrupt)
+    s = train(_cfg(tmp_path, *opts))
+    assert s["first_step"] == 3 and all(_losses(s)[k] == ref_losses[k] for k in (3, 4, 5))
+    assert _master(Path(s["checkpoint"])) == _master(ck)
+    with pytest.raises(CheckpointError, match="optim.master_dtype"):
+        train(_cfg(tmp_path / "other", f"checkpoint.resume={ck}", "train.compute_dtype=bfloat16"))
+    from megaray.hf import export_checkpoint
+    from safetensors.torch import load_file
+
+    export_checkpoint(ck, tmp_path / "hf")
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    raw = torch.frombuffer(bytearray(_master(ck)[:2 * 256 * 32]), dtype=torch.bfloat16).float()
+    assert torch.equal(exported["model.embed_tokens.weight"].reshape(-1), raw)
+    assert shm_files() == []
 
 
 @pytest.mark.parametrize("role", ["optimizer-1", "store"])

@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from megaray.config import load_config
-from megaray.errors import PlanError
-from megaray.plan import GiB, PROCESS_BYTES, Machine, check, largest_fit, plan
+from megaray.errors import ConfigError, PlanError
+from megaray.plan import GiB, PROCESS_BYTES, Machine, check, largest_fit, plan, savings
 
 from conftest import shm_files
 
@@ -49,6 +49,24 @@ def test_llama3b_gpu_items_by_hand():
     assert p.gpu["fp32 gradients at the peak"] == 4 * cfg.model.num_params()
     kept = plan(cfg, keep=20)            # 20 kept blocks outweigh the gradients: the backward's start counts
     assert kept.gpu["fp32 gradients at the peak"] == 4 * (128256 * 3072 + 3072)
+
+
+def test_reduced_precision_options_by_hand():
+    base = ["model.shape=llama3b", "train.seq_len=2048", "train.compute_dtype=bfloat16", "optim.num_shards=4"]
+    cfg = load_config("debug", base)
+    n = cfg.model.num_params()
+    ring_and_store = (8 * 64 + 256) * 2**20 / n
+    by = {k: per for k, _, per in savings(cfg)}
+    # bf16 moments: 8 -> 4 bytes; a bf16 master that the worker reads itself: 4 + 2 -> 2
+    assert by["optim.moment_dtype=bfloat16"] == pytest.approx(10 + ring_and_store, abs=1e-3)
+    assert by["optim.master_dtype=bfloat16"] == pytest.approx(10 + ring_and_store, abs=1e-3)
+    assert by["both"] == pytest.approx(6 + ring_and_store, abs=1e-3)
+    both = plan(load_config("debug", base + ["optim.moment_dtype=bfloat16", "optim.master_dtype=bfloat16"]))
+    assert both.host_private["adam moments (bf16)"] == 4 * n
+    assert both.shm["bf16 master weights"] >= 2 * n and both.shm["bfloat16 compute copy"] == 0
+    assert savings(load_config("debug", base + ["optim.moment_dtype=bfloat16", "optim.master_dtype=bfloat16"])) == []
+    with pytest.raises(ConfigError, match="optim.master_dtype"):            # a bf16 master needs bf16 compute
+        load_config("debug", ["optim.master_dtype=bfloat16"])
 
 
 def test_check_refuses_with_the_shortfall():

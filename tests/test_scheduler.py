@@ -155,3 +155,75 @@ def test_a_failed_update_aborts_the_run(ray_cluster, tmp_path):
     assert "optimizer-" in str(e.value) and "injected crash at step 1" in str(e.value)
     assert buf.aborted                                              # waiting actors are released
     assert ray.get(sched.state.remote())["phase"] == "failed"
+
+
+def _adamw_by_hand(p, g, m, v, step, lr, cfg, decay_numel):
+    """One AdamW step in fp32, written out (torch's formula: decoupled decay first)."""
+    b1, b2 = cfg.optim.betas
+    p = p.clone()
+    p[:decay_numel] *= 1 - lr * cfg.optim.weight_decay
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    denom = (v / (1 - b2 ** step)).sqrt() + cfg.optim.eps
+    return p - lr / (1 - b1 ** step) * m / denom, m, v
+
+
+def test_bf16_moments_match_adamw_with_moments_rounded_each_step(ray_cluster, tmp_path):
+    cfg, h, buf, sched, _, shards = _setup(tmp_path, ["optim.moment_dtype=bfloat16"])
+    ref = [buf.master(u.index).clone() for u in h.units]
+    moments = [(torch.zeros(u.numel), torch.zeros(u.numel)) for u in h.units]
+    g = torch.Generator().manual_seed(2)
+    for step in range(3):
+        grads = [torch.randn(u.numel, generator=g) for u in h.units]
+        ray.get(sched.train_step.remote(step, grads))
+        lr = lr_at(step, cfg.optim, cfg.train.steps)
+        for u in h.units:
+            p, m, v = _adamw_by_hand(ref[u.index], grads[u.index], *moments[u.index], step + 1, lr, cfg, u.decay_numel)
+            ref[u.index] = p
+            moments[u.index] = (m.bfloat16().float(), v.bfloat16().float())     # stored as bf16
+    ray.get(sched.drain.remote())
+    for u in h.units:
+        torch.testing.assert_close(buf.master(u.index), ref[u.index], rtol=0, atol=2e-5)
+    for s in shards:
+        for i, st in ray.get(s.optimizer_state.remote()).items():
+            assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16 and int(st["step"]) == 3
+            piece = h.pieces[i]
+            torch.testing.assert_close(st["exp_avg"].float(), moments[piece.unit][0][piece.start:piece.stop],
+                                       rtol=1e-2, atol=1e-6)
+
+
+def test_bf16_master_rounds_stochastically_to_a_neighbour(ray_cluster, tmp_path):
+    cfg, h, buf, sched, _, _ = _setup(tmp_path, ["optim.master_dtype=bfloat16", "train.compute_dtype=bfloat16"])
+    assert h.aliased and buf.master(0).dtype == torch.bfloat16      # the worker reads the master itself
+    init = [buf.master(u.index).float() for u in h.units]
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(u.numel, generator=g) for u in h.units]
+    ray.get(sched.train_step.remote(0, grads))
+    ray.get(sched.drain.remote())
+    lr = lr_at(0, cfg.optim, cfg.train.steps)
+    ups = downs = 0
+    for u in h.units:
+        z = torch.zeros(u.numel)
+        exact, _, _ = _adamw_by_hand(init[u.index], grads[u.index], z, z, 1, lr, cfg, u.decay_numel)
+        got = buf.master(u.index).float()
+        lo = exact.bfloat16().float()
+        lo = torch.where(lo > exact, torch.nextafter(lo.bfloat16(), torch.tensor(-1e30, dtype=torch.bfloat16)).float(), lo)
+        hi = torch.nextafter(lo.bfloat16(), torch.tensor(1e30, dtype=torch.bfloat16)).float()
+        assert bool(((got == lo) | (got == hi)).all()), f"{u.name}: not a bf16 neighbour of the fp32 update"
+        ups, downs = ups + int((got == hi).sum()), downs + int((got == lo).sum())
+    assert ups > 100 and downs > 100                                # both directions happen
+
+
+def test_stochastic_rounding_is_unbiased():
+    from megaray.actors.optimizer import stochastic_round_bf16
+
+    x = torch.full((200_000,), 1.0 + 2.0 ** -10)        # 1/8 of the way from 1 to the next bf16 (1 + 2^-7)
+    out = torch.empty_like(x, dtype=torch.bfloat16)
+    stochastic_round_bf16(x.clone(), out, torch.Generator().manual_seed(0))
+    vals = out.float()
+    assert set(vals.unique().tolist()) == {1.0, 1.0 + 2.0 ** -7}
+    assert abs(float((vals == 1.0 + 2.0 ** -7).float().mean()) - 0.125) < 0.005
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -3.0])
+    out = torch.empty(5, dtype=torch.bfloat16)
+    stochastic_round_bf16(special.clone(), out, torch.Generator().manual_seed(0))
+    assert out[0] == float("inf") and out[1] == float("-inf") and out[2].isnan() and out[3] == 0 and out[4] == -3

@@ -79,6 +79,7 @@ class GpuWorker:
             self._pin()
             self.copy_stream = torch.cuda.Stream(self.device)
             self.out_stream = torch.cuda.Stream(self.device)
+            self.offload_stream = torch.cuda.Stream(self.device)
             self.compute_stream = torch.cuda.current_stream(self.device)
         # Device weight buffers: embedding, head, and two alternating block buffers.
         block_numel = self.units[1].numel if self.L else 0
@@ -98,6 +99,8 @@ class GpuWorker:
         self._shipping: Future | None = None      # the previous step's gradients leaving
         self._shipped: list[dict] = []              # copy-out statistics of finished steps
         self._last_grads: dict[int, np.ndarray] = {}
+        self._host_inputs: torch.Tensor | None = None     # offloaded block inputs (pinned on CUDA)
+        self._offload_auto: int | None = None
         self.copy_in = ThreadPoolExecutor(1, thread_name_prefix="copy-in")
         self.copy_out = ThreadPoolExecutor(1, thread_name_prefix="copy-out")
 
@@ -125,7 +128,8 @@ class GpuWorker:
             inputs = (self.L + 1) * tokens_per_step * self.mcfg.hidden_size * self.dtype.itemsize
             grads = 4 * sum(u.numel for u in self.units)
             reserve = int(0.1 * free) + 2 * inputs + grads + 6 * 2**30
-            self._auto_keep = keep_blocks(self.mcfg, tokens_per_step, self.dtype.itemsize, free, reserve)
+            chunked = self.cfg.train.micro_batch_size * self.cfg.train.seq_len > self.cfg.train.mlp_chunk_tokens
+            self._auto_keep = keep_blocks(self.mcfg, tokens_per_step, self.dtype.itemsize, free, reserve, chunked)
         return self._auto_keep
 
     def _kept_buffer(self, k: int) -> torch.Tensor:
@@ -271,6 +275,70 @@ class GpuWorker:
             return f"gradient copy-out failed: {type(f.exception()).__name__}: {f.exception()}"
         return None
 
+    def _offload_count(self, keep_from: int) -> int:
+        """Blocks (the first ones) whose inputs wait in host memory: the config's number, or,
+        when unset, those the memory plan cannot fit on the GPU. Never a kept block's."""
+        k = self.cfg.worker.offload_inputs
+        if k is None:
+            if self._offload_auto is None:
+                self._offload_auto = 0
+                if self.cuda:
+                    from megaray.plan import offload_needed
+
+                    self._offload_auto = offload_needed(self.cfg, torch.cuda.mem_get_info(self.device)[0]
+                                                        + torch.cuda.memory_allocated(self.device))
+            k = self._offload_auto
+        return min(k, keep_from, self.L)
+
+    def _host_buffer(self, n: int, like: torch.Tensor, M: int) -> torch.Tensor:
+        """Host memory for n blocks' inputs of M micro-batches, allocated (and pinned) once."""
+        shape = (n, M) + tuple(like.shape)
+        if self._host_inputs is None or tuple(self._host_inputs.shape) != shape:
+            self._host_inputs = None
+            self._host_inputs = torch.empty(shape, dtype=like.dtype, pin_memory=self.cuda)
+        return self._host_inputs
+
+    def _offload(self, j: int, acts: list, host: torch.Tensor, timer: _Timer) -> None:
+        """Send block j's saved inputs to host memory (after the compute that wrote them)."""
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(self.compute_stream)
+            with torch.cuda.stream(self.offload_stream):
+                self.offload_stream.wait_event(ev)
+                for m, x in enumerate(acts[j]):
+                    host[j, m].copy_(x, non_blocking=True)
+                    x.record_stream(self.offload_stream)   # its memory is reused only after the copy
+        else:
+            for m, x in enumerate(acts[j]):
+                host[j, m].copy_(x)
+        timer.add("offload_bytes", sum(x.numel() * x.element_size() for x in acts[j]))
+        acts[j] = [None] * len(acts[j])
+
+    def _fetch(self, j: int, acts: list, host: torch.Tensor):
+        """Bring block j's inputs back to the device; returns the event compute waits on."""
+        if not self.cuda:
+            acts[j] = [host[j, m].clone() for m in range(host.shape[1])]
+            return None
+        with torch.cuda.stream(self.offload_stream):
+            back = [host[j, m].to(self.device, non_blocking=True) for m in range(host.shape[1])]
+            ev = torch.cuda.Event()
+            ev.record(self.offload_stream)
+        for x in back:
+            x.record_stream(self.compute_stream)
+        acts[j] = back
+        return ev
+
+    def _block_backward(self, unit, w: dict, y: torch.Tensor, x: torch.Tensor, dy: torch.Tensor,
+                        g: torch.Tensor) -> torch.Tensor:
+        """Backward of one block: each weight's gradient, taken at its own view (autograd never
+        scatters it into a zero-filled flat tensor), added into the unit's flat fp32 ``g``;
+        returns the gradient of the block's input."""
+        views = list(w.values())
+        out = torch.autograd.grad(y, views + [x], grad_outputs=dy)
+        for spec, gv in zip(unit.params, out[:-1]):
+            g[spec.offset:spec.offset + spec.numel] += gv.reshape(-1)
+        return out[-1]
+
     def _inputs_targets(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets of a batch [micro_batches, batch, seq + 1] (a token array, or
         tokens with a loss mask): targets the mask leaves out become IGNORE_INDEX."""
@@ -321,7 +389,9 @@ class GpuWorker:
         nxt = self._stage(1, step, timer) if L else self._stage(U - 1, step, timer)
         acts: list[list[torch.Tensor]] = [[None] * M for _ in range(L + 1)]
         keep_from = L - self._keep_count(M * inputs[0].numel())
-        kept: dict[int, tuple] = {}     # block -> (flat leaf, [(x, y) per micro-batch])
+        n_off = self._offload_count(keep_from)
+        kept: dict[int, tuple] = {}     # block -> (flat leaf, bound views, [(x, y) per micro-batch])
+        mlp_chunk = self.cfg.train.mlp_chunk_tokens
         with torch.no_grad(), self._span(0):
             _, we = self._weights(0, grad=False)
             for m in range(M):
@@ -334,7 +404,9 @@ class GpuWorker:
                 with torch.no_grad(), self._span(u):
                     _, w = self._weights(u, grad=False)
                     for m in range(M):
-                        acts[i + 1][m] = block_forward(w, acts[i][m], self.rope, self.mcfg)
+                        acts[i + 1][m] = block_forward(w, acts[i][m], self.rope, self.mcfg, mlp_chunk)
+                if i < n_off:
+                    self._offload(i, acts, self._host_buffer(n_off, acts[i][0], M), timer)
             else:
                 # Keep this block's internals (and a private copy of its weights, since
                 # the slot is refilled) so its backward needs no recomputation.
@@ -347,10 +419,10 @@ class GpuWorker:
                     w = bind(flat, self.units[u])
                     for m in range(M):
                         x = acts[i][m].detach().requires_grad_()
-                        y = block_forward(w, x, self.rope, self.mcfg)
+                        y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk)
                         pairs.append((x, y))
                         acts[i + 1][m] = y.detach()
-                kept[i] = (flat, pairs)
+                kept[i] = (flat, w, pairs)
                 if self.cuda and not self._kept_block_bytes:   # one kept block: internals + its weights
                     self._kept_block_bytes = (torch.cuda.memory_allocated(self.device) - before
                                               + buf.numel() * buf.element_size())
@@ -394,24 +466,27 @@ class GpuWorker:
 
         # ---- backward through the blocks, recomputing each from its saved input
         t0 = time.perf_counter()
+        first = keep_from - 1                               # the first recomputed block: its inputs
+        fetched = self._fetch(first, acts, self._host_inputs) if 0 <= first < n_off else None   # come back first
         for i in reversed(range(L)):
             u = i + 1
             if i in kept:
-                flat, pairs = kept.pop(i)
+                flat, w, pairs = kept.pop(i)
                 if i - 1 == keep_from - 1 and i > 0:
                     nxt = self._stage(u - 1, step, timer)   # first recomputed block below
                 with self._span(u):
                     g = torch.zeros(self.units[u].numel, dtype=torch.float32, device=self.device)
                     for m, (x, y) in enumerate(pairs):
-                        gw, gx = torch.autograd.grad(y, [flat, x], grad_outputs=dys[m])
-                        g += gw
-                        dys[m] = gx
+                        dys[m] = self._block_backward(self.units[u], w, y, x, dys[m], g)
                         acts[i][m] = None
-                del pairs, flat
+                del pairs, flat, w
             else:
                 self._ready(nxt, timer)
                 if i > 0:
                     nxt = self._stage(u - 1, step, timer)
+                if fetched is not None:
+                    self.compute_stream.wait_event(fetched)
+                fetched = self._fetch(i - 1, acts, self._host_inputs) if 0 < i <= n_off else None
                 with self._span(u):
                     g = torch.zeros(self.units[u].numel, dtype=torch.float32, device=self.device)
                     flat, w = self._weights(u, grad=True)
@@ -419,10 +494,8 @@ class GpuWorker:
                         x = acts[i][m].detach().requires_grad_()
                         acts[i][m] = None
                         with torch.enable_grad():
-                            y = block_forward(w, x, self.rope, self.mcfg)
-                            gw, gx = torch.autograd.grad(y, [flat, x], grad_outputs=dys[m])
-                        g += gw
-                        dys[m] = gx
+                            y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk)
+                            dys[m] = self._block_backward(self.units[u], w, y, x, dys[m], g)
                 self._release(u)
             grads[u] = g
         # ---- the embedding: its lookup gradient (plus the tied head's contribution)
@@ -472,6 +545,7 @@ class GpuWorker:
         timer.t.update(self._gpu_time())
         out = {"loss_sum": loss_total, "tokens": n_tokens, "grad_norm": norm, "clip_coef": coef,
                "applied": finite, "kept_blocks": L - keep_from, "kept_block_bytes": self._kept_block_bytes,
+               "offloaded_inputs": n_off,
                "worker_s": time.perf_counter() - t_start}
         out.update(timer.t)
         # Copy-out of the previous step's gradients (it ran during this step's forward).

@@ -167,14 +167,15 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
     med = _median_step(ms)
     step_s = med["step_time_s"]
     kept = med.get("worker/kept_blocks", 0)
-    predicted = plan(cfg, keep=kept, on_gpu=cfg.worker.device == "cuda")
+    offloaded = med.get("worker/offloaded_inputs", 0)
+    predicted = plan(cfg, keep=kept, on_gpu=cfg.worker.device == "cuda", offload=offloaded)
     gpu_peak = max(m.get("worker/gpu_peak_bytes", 0) for m in ms)
     # less the copy of the initial weights this process holds for the baseline
     state_bytes = sum(v.nbytes for v in state.values()) if state else 0
     host_peak = max(m["host_memory_used_bytes"] for m in ms) - host_before - state_bytes
     out["planner"] = {"host_predicted_gib": predicted.host_total / 2**30, "host_measured_gib": host_peak / 2**30,
                       "gpu_predicted_gib": predicted.gpu_total / 2**30, "gpu_measured_gib": gpu_peak / 2**30,
-                      "kept_blocks": kept}
+                      "kept_blocks": kept, "offloaded_inputs": offloaded}
     rates = [m["optimizer_params_per_s"] for m in ms[1:] if "optimizer_params_per_s" in m]
     out["megaray"] = {"step_s": step_s, "tflops": flops / step_s / 1e12,
                       "tokens_per_s": tokens_per_step / step_s,

@@ -176,6 +176,10 @@ class TrainConfig:
     """Dtype of the weights and activations the worker computes with: bfloat16 or float32."""
     loss_chunk_tokens: int = 4096
     """Tokens per cross-entropy chunk: the logits of more tokens never exist at once."""
+    mlp_chunk_tokens: int = 32768
+    """A micro-batch of more tokens than this runs each MLP in chunks of this many tokens,
+    recomputed in the backward, so a long sequence's [tokens, intermediate] tensors never
+    exist whole (costs one more MLP forward per block)."""
     log_every: int = 1
     """Steps between log lines and TensorBoard points."""
     eval_every: int = 0
@@ -186,7 +190,8 @@ class TrainConfig:
     """Consecutive steps with a non-finite loss or gradient after which the run stops."""
 
     def __post_init__(self):
-        for key in ("steps", "micro_batch_size", "grad_accum", "seq_len", "loss_chunk_tokens", "log_every"):
+        for key in ("steps", "micro_batch_size", "grad_accum", "seq_len", "loss_chunk_tokens", "mlp_chunk_tokens",
+                    "log_every"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key}", f"must be >= 1 (got {getattr(self, key)})")
         if self.max_skipped_steps < 1:
@@ -295,6 +300,10 @@ class WorkerConfig:
     keep_activations: int | None = None
     """Blocks (the last ones) whose activations stay on the device instead of being
     recomputed in backward; null: as many as fit in free GPU memory (0 on the CPU)."""
+    offload_inputs: int | None = None
+    """Blocks (the first ones) whose saved inputs wait in pinned host memory between the
+    forward and the backward instead of on the GPU; null: none, unless the memory plan does
+    not fit the GPU, then as many as it takes."""
     wait_timeout_s: float = 600.0
     """Longest wait for an optimizer update or a free gradient slab before the run fails."""
 
@@ -305,6 +314,8 @@ class WorkerConfig:
             raise ConfigError("worker.threads", "must be >= 1")
         if self.keep_activations is not None and self.keep_activations < 0:
             raise ConfigError("worker.keep_activations", "must be >= 0 or null")
+        if self.offload_inputs is not None and self.offload_inputs < 0:
+            raise ConfigError("worker.offload_inputs", "must be >= 0 or null")
         if self.wait_timeout_s <= 0:
             raise ConfigError("worker.wait_timeout_s", "must be > 0")
 

@@ -130,11 +130,88 @@ def _stable_hash(text: str) -> int:
 
 # ----------------------------------------------------------------------------- templates
 
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm that saves its input as it came (bf16 on the GPU) and one fp32 scale per token,
+    not the fp32 upcast autograd would keep: 2 bytes an element instead of 6. The forward's
+    arithmetic is exactly ``rms_norm``'s; the backward computes in fp32."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        n = x.float() * rstd
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = (dy.float() * n.to(x.dtype).float()).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+        dn = dy.float() * weight.float()
+        dx = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
+        return dx.to(x.dtype), dw, None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, eps)
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype)
+
+
+class _ChunkedMLP(torch.autograd.Function):
+    """SwiGLU MLP over the sequence in chunks of ``chunk`` tokens, each recomputed in the
+    backward: what stays alive is the MLP's input and one chunk's intermediates, never the
+    four [tokens, intermediate] tensors of a whole long sequence."""
+
+    @staticmethod
+    def forward(ctx, h, wg, wu, wd, chunk):
+        ctx.save_for_backward(h, wg, wu, wd)
+        ctx.chunk = chunk
+        flat = h.reshape(-1, h.shape[-1])
+        out = torch.empty(flat.shape[0], wd.shape[0], dtype=h.dtype, device=h.device)
+        for a in range(0, flat.shape[0], chunk):
+            c = flat[a:a + chunk]
+            out[a:a + chunk] = F.linear(F.silu(F.linear(c, wg)) * F.linear(c, wu), wd)
+        return out.view(*h.shape[:-1], wd.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, wg, wu, wd = ctx.saved_tensors
+        acc = torch.promote_types(h.dtype, torch.float32)     # fp32 sums for bf16, fp64 stays fp64
+        flat, dflat = h.reshape(-1, h.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        dh = torch.empty_like(flat)
+        dwg, dwu, dwd = (torch.zeros(w.shape, dtype=acc, device=w.device) for w in (wg, wu, wd))
+        for a in range(0, flat.shape[0], ctx.chunk):
+            c, d = flat[a:a + ctx.chunk], dflat[a:a + ctx.chunk]
+            g, u = F.linear(c, wg), F.linear(c, wu)
+            sg = F.silu(g)
+            dwd += d.t().mm(sg * u).to(acc)
+            dm = d.mm(wd)
+            du = dm * sg
+            ga = g.to(acc)
+            sig = torch.sigmoid(ga)
+            dg = (dm.to(acc) * u.to(acc) * sig * (1 + ga * (1 - sig))).to(h.dtype)
+            dwg += dg.t().mm(c).to(acc)
+            dwu += du.t().mm(c).to(acc)
+            dh[a:a + ctx.chunk] = dg.mm(wg) + du.mm(wu)
+        return dh.view(h.shape), dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype), None
+
+
+def mlp(h: torch.Tensor, w: dict, chunk: int | None = None) -> torch.Tensor:
+    """SwiGLU MLP; along the sequence in chunks (recomputed in backward) when the input holds
+    more than ``chunk`` tokens."""
+    wg, wu, wd = w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"]
+    if chunk and h.numel() // h.shape[-1] > chunk:
+        return _ChunkedMLP.apply(h, wg, wu, wd, chunk)
+    return F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+
+
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 def rope_tables(cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32):
@@ -172,8 +249,11 @@ def embed_forward(w: dict, tokens: torch.Tensor) -> torch.Tensor:
     return F.embedding(tokens, w["model.embed_tokens.weight"])
 
 
-def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig) -> torch.Tensor:
-    """One decoder block: x + attn(norm(x)), then + mlp(norm(.)). x: [B, S, H]."""
+def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig, mlp_chunk: int | None = None) -> torch.Tensor:
+    """One decoder block: x + attn(norm(x)), then + mlp(norm(.)). x: [B, S, H].
+
+    Grouped-query attention hands the kv heads to SDPA as they are where torch supports it
+    (``enable_gqa``), never materializing the repeated keys and values; ``mlp_chunk`` see ``mlp``."""
     b, s, _ = x.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     cos, sin = rope[0][:s], rope[1][:s]
@@ -189,15 +269,17 @@ def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig) -> to
     q = apply_rope(q.transpose(1, 2), cos.to(q.dtype), sin.to(q.dtype))
     k = apply_rope(k.transpose(1, 2), cos.to(k.dtype), sin.to(k.dtype))
     v = v.view(b, s, nkv, hd).transpose(1, 2)
-    if nkv != nh:
-        k = k.repeat_interleave(nh // nkv, dim=1)
-        v = v.repeat_interleave(nh // nkv, dim=1)
-    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if nkv != nh and _SDPA_GQA:
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    else:
+        if nkv != nh:
+            k = k.repeat_interleave(nh // nkv, dim=1)
+            v = v.repeat_interleave(nh // nkv, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     a = a.transpose(1, 2).reshape(b, s, nh * hd)
     x = x + F.linear(a, w["self_attn.o_proj.weight"])
     h = rms_norm(x, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    m = F.silu(F.linear(h, w["mlp.gate_proj.weight"])) * F.linear(h, w["mlp.up_proj.weight"])
-    return x + F.linear(m, w["mlp.down_proj.weight"])
+    return x + mlp(h, w, mlp_chunk)
 
 
 def head_loss_sum(w_head: dict, w_embed: dict | None, x: torch.Tensor, targets: torch.Tensor,

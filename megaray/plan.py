@@ -10,11 +10,13 @@ is allocated.
   ``optim.moment_dtype``; in the optimizer shards), a
   fixed allowance per actor process for the interpreter and torch, and, when the worker
   computes on the CPU, the step's gradients it holds until the norm is known;
-- the GPU: the four weight slots (embedding, head, two blocks), the saved block inputs of a
-  step, the kept blocks' internals and weights (``megaray.memory``), the step's fp32
-  gradients at the peak (held on the GPU until the global norm is known, then streamed
-  out; they grow as the kept blocks are freed), the
-  recomputation workspace of one micro-batch, the loss chunk's logits, and the CUDA context.
+- the GPU: the four weight slots (embedding, head, two blocks), and at the step's peak
+  (found by walking the backward: saved inputs and kept internals are freed block by block
+  as the fp32 gradients, held until the global norm is known, grow) the saved block inputs
+  of a step (less those offloaded to pinned host memory: ``worker.offload_inputs``), the
+  kept blocks' internals and weights (``megaray.memory``) and the gradients; the
+  recomputation workspace of one micro-batch (one MLP chunk's for long sequences), the loss
+  chunk's logits, and the CUDA context.
 
 Host bytes per parameter counts the training state: everything in shared memory (Ray's
 object store included) and the moments; not the per-process allowance.
@@ -69,6 +71,7 @@ class Plan:
     host_private: dict = field(default_factory=dict)
     gpu: dict = field(default_factory=dict)
     keep_blocks: int = 0
+    offload_inputs: int = 0
 
     @property
     def shm_total(self) -> int:
@@ -99,12 +102,13 @@ class Plan:
         out += block("host memory", {**self.shm, **self.host_private}, self.host_total,
                      machine.host_bytes if machine else None)
         out += block("  of which shared memory", self.shm, self.shm_total, machine.shm_bytes if machine else None)
-        out += block(f"GPU (keeping {self.keep_blocks} blocks' activations)", self.gpu, self.gpu_total,
+        out += block(f"GPU (keeping {self.keep_blocks} blocks' activations, {self.offload_inputs} blocks' inputs "
+                     "in host memory)", self.gpu, self.gpu_total,
                      machine.gpu_bytes if machine else None)
         return "\n".join(out)
 
 
-def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True) -> Plan:
+def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: int | None = None) -> Plan:
     m, t = cfg.model, cfg.train
     units = build_layout(m)
     h = Handles.for_config(cfg, "plan", 0, units)
@@ -120,29 +124,58 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True) -> Plan:
     if not on_gpu:
         p.host_private["step gradients held by the worker (CPU device)"] = 4 * p.params
     s = DTYPES[t.compute_dtype].itemsize
+    L = m.num_hidden_layers
     tokens = t.tokens_per_step
     micro_tokens = t.micro_batch_size * t.seq_len
+    chunked = micro_tokens > t.mlp_chunk_tokens
     block_numel = units[1].numel
-    per_block_internal = block_internal_bytes_per_token(m, s)
+    per_block_internal = block_internal_bytes_per_token(m, s, chunked)
     # With keep_activations unset the worker keeps as many blocks as fit; the plan counts
     # the minimum (none), which is what must fit.
-    p.keep_blocks = keep if keep is not None else (cfg.worker.keep_activations or 0)
+    p.keep_blocks = min(L, keep if keep is not None else (cfg.worker.keep_activations or 0))
+    p.offload_inputs = min(L - p.keep_blocks, offload if offload is not None else (cfg.worker.offload_inputs or 0))
     chunk = min(t.loss_chunk_tokens, micro_tokens)
-    kept = p.keep_blocks * (per_block_internal * tokens + s * block_numel)
+    one_input = s * tokens * m.hidden_size                      # one block's saved inputs, all micro-batches
+    kept_one = per_block_internal * tokens + s * block_numel
+    grads_ends = 4 * (units[0].numel + units[-1].numel)          # head's and embedding's, from the backward's start
+    # Through the backward, block j's input and (if kept) internals are freed as its fp32
+    # gradient appears: the peak is the largest of (inputs still saved + kept internals still
+    # alive + gradients so far) over the backward's positions, and the head (every input,
+    # the last block's output too). Offloaded inputs (the first blocks') come back one block
+    # ahead, so at most two of them are on the GPU at once.
+    n_off = p.offload_inputs
+    best = (((L + 1 - n_off) * one_input + p.keep_blocks * kept_one + grads_ends), L + 1 - n_off, p.keep_blocks, L)
+    for j in range(L, -1, -1):                                  # blocks 0..j-1 not yet backwarded
+        on_gpu_inputs = max(0, j - n_off) + (min(2, j) if j <= n_off else min(1, n_off))
+        alive_kept = max(0, j - (L - p.keep_blocks))
+        total = on_gpu_inputs * one_input + alive_kept * kept_one + grads_ends + 4 * block_numel * (L - j)
+        if total > best[0]:
+            best = (total, on_gpu_inputs, alive_kept, j)
+    _, n_inputs, n_kept, j = best
+    if p.offload_inputs:
+        p.host_private[f"offloaded block inputs ({p.offload_inputs}, pinned)"] = p.offload_inputs * one_input
+    mlp_chunk = min(t.mlp_chunk_tokens, micro_tokens) * 3 * s * m.intermediate_size if chunked else 0
     p.gpu = {
         "weight slots (embed, head, 2 blocks)": s * (units[0].numel + units[-1].numel + 2 * block_numel),
-        "saved block inputs": s * (m.num_hidden_layers + 1) * tokens * m.hidden_size,
-        "gradient of the step's activations": s * tokens * m.hidden_size,
-        # Gradients grow through the backward while the kept blocks' internals are freed, so
-        # the peak is the larger of: every kept block alive with the head's and embedding's
-        # gradients (the backward's start), or every gradient (its end).
-        "fp32 gradients at the peak": max(4 * (units[0].numel + units[-1].numel), 4 * p.params - kept),
-        "recomputation workspace (1 micro-batch)": per_block_internal * micro_tokens,
+        "saved block inputs (at the peak)": n_inputs * one_input,
+        "gradient of the step's activations": one_input,
+        "fp32 gradients (at the peak)": grads_ends + 4 * block_numel * (L - j),
+        "recomputation workspace (1 micro-batch)": per_block_internal * micro_tokens + mlp_chunk,
         "loss chunk logits (fp32, with grad)": 2 * 4 * chunk * m.vocab_size,
-        "kept blocks (internals + weights)": kept,
+        "kept blocks (internals + weights, at the peak)": n_kept * kept_one,
         "CUDA context and allocator slack": CUDA_CONTEXT_BYTES,
     }
     return p
+
+
+def offload_needed(cfg: RunConfig, gpu_bytes: int) -> int:
+    """The fewest first blocks whose inputs must wait in host memory for the plan to fit
+    ``gpu_bytes`` (every block's, when nothing fits)."""
+    L = cfg.model.num_hidden_layers
+    for n in range(L + 1):
+        if plan(cfg, offload=n).gpu_total <= gpu_bytes:
+            return n
+    return L
 
 
 def savings(cfg: RunConfig) -> list[tuple[str, int, float]]:
@@ -205,7 +238,10 @@ def largest_fit(cfg: RunConfig, machine: Machine) -> tuple[int, int]:
 def check(cfg: RunConfig, machine: Machine | None = None) -> Plan:
     """Raise PlanError with the report when the machine cannot hold the run."""
     machine = machine or Machine.here(cfg.cluster.shm_dir)
-    p = plan(cfg, on_gpu=machine.gpu_bytes is not None)
+    offload = None
+    if cfg.worker.offload_inputs is None and machine.gpu_bytes is not None:
+        offload = offload_needed(cfg, machine.gpu_bytes)     # what the worker will choose
+    p = plan(cfg, on_gpu=machine.gpu_bytes is not None, offload=offload)
     short = shortfalls(p, machine)
     if short:
         raise PlanError("the run does not fit this machine:\n  " + "\n  ".join(short) + "\n" + p.report(machine))

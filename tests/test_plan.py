@@ -36,7 +36,9 @@ def test_llama3b_gpu_items_by_hand():
     p = plan(cfg)
     block = 2 * 3072 + 3072 * 3072 + 2 * 3072 * 1024 + 3072 * 3072 + 3 * 3072 * 8192
     assert p.gpu["weight slots (embed, head, 2 blocks)"] == 2 * (128256 * 3072 + 3072 + 2 * block)
-    assert p.gpu["saved block inputs"] == 2 * 29 * 65536 * 3072
+    # the peak is at the head: every block's input and the last output (29 x 384 MiB) outweigh
+    # the blocks' fp32 gradients at the backward's end (28 x 384.02 MiB)
+    assert p.gpu["saved block inputs (at the peak)"] == 2 * 29 * 65536 * 3072
     assert p.gpu["loss chunk logits (fp32, with grad)"] == 2 * 4 * 4096 * 128256
     assert p.shm["bfloat16 compute copy"] >= 2 * cfg.model.num_params()
     # 4 master + 2 bf16 copy + 8 moments, plus the ring (8 slabs of 64 MiB), the object store
@@ -45,10 +47,28 @@ def test_llama3b_gpu_items_by_hand():
     assert p.shm["gradient ring (8 x 64 MiB)"] == 8 * 64 * 2**20
     assert p.host_bytes_per_param == pytest.approx(14 + ring_and_store / cfg.model.num_params(), abs=1e-3)
     assert p.host_bytes_per_param < 14.5
-    # nothing kept: every gradient is alive at the backward's end
-    assert p.gpu["fp32 gradients at the peak"] == 4 * cfg.model.num_params()
-    kept = plan(cfg, keep=20)            # 20 kept blocks outweigh the gradients: the backward's start counts
-    assert kept.gpu["fp32 gradients at the peak"] == 4 * (128256 * 3072 + 3072)
+    assert p.gpu["fp32 gradients (at the peak)"] == 4 * (128256 * 3072 + 3072)
+    # a 4x longer micro-batch through 2 of 4 blocks' inputs offloaded: the peak moves to
+    # where the blocks' gradients outweigh what is left of the inputs
+    small = load_config("debug", ["model.shape=llama3b", "model.num_hidden_layers=4", "train.seq_len=1024",
+                                  "train.micro_batch_size=1", "train.compute_dtype=bfloat16"])
+    i, g = 2 * 2048 * 3072, 4 * block            # one block's inputs (2 micro-batches), its fp32 gradient
+    ends = 4 * (128256 * 3072 + 3072)
+    q = plan(small, offload=2)
+    # the walk j = 4..0 keeps 3, 2, 2, 1, 0 inputs on the GPU with 0..4 blocks' gradients: the end wins
+    assert q.gpu["saved block inputs (at the peak)"] == 0
+    assert q.gpu["fp32 gradients (at the peak)"] == ends + 4 * g
+    assert q.host_private["offloaded block inputs (2, pinned)"] == 2 * i
+    # at 128k tokens a block's inputs (1.5 GiB) outweigh its gradients: the head is the peak
+    long = dataclasses.replace(small, train=dataclasses.replace(small.train, seq_len=131072))
+    big = 2 * 2 * 131072 * 3072
+    assert plan(long).gpu["saved block inputs (at the peak)"] == 5 * big
+    assert plan(long, offload=2).gpu["saved block inputs (at the peak)"] == 3 * big
+    assert plan(long).gpu["recomputation workspace (1 micro-batch)"] == (
+        131072 * (106600 - 4 * 2 * 8192) + 32768 * 3 * 2 * 8192)         # the MLP in 32k-token chunks
+    kept = plan(cfg, keep=20)            # kept blocks are freed as the backward walks them
+    assert kept.gpu["kept blocks (internals + weights, at the peak)"] == 20 * (
+        106600 * 65536 + 2 * block)
 
 
 def test_reduced_precision_options_by_hand():

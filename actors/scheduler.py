@@ -1,7 +1,9 @@
 """Scheduler actor: drives steps, watches every actor's calls, keeps counters and metrics.
 
 It is an async actor and stays off the per-layer path: a step is one ``run_step`` call to
-the worker plus one ``apply`` call to each optimizer shard, all issued at the step's start;
+each worker (with several data-parallel workers, each gets an even, contiguous share of the
+step's micro-batches and the whole step's token count) plus one ``apply`` call to each
+optimizer shard, all issued at the step's start;
 the worker and the shards then order themselves through the shared control words
 (``megaray.buffers``).
 
@@ -27,6 +29,7 @@ import asyncio
 import enum
 import time
 
+import numpy as np
 import ray
 
 from megaray.buffers import Handles, RunBuffers
@@ -51,6 +54,7 @@ class Scheduler:
         self.buf = RunBuffers(handles, kinds=("control",))
         self.phase = Phase.IDLE
         self.worker = None
+        self.workers: list = []
         self.shards: list = []
         self.shard_names: list[str] = []
         self._pending: list[tuple[str, ray.ObjectRef]] = []   # the previous step's apply calls
@@ -59,8 +63,10 @@ class Scheduler:
             "steps_total": "Training steps completed", "tokens_total": "Training tokens processed",
             "skipped_steps_total": "Steps skipped for a non-finite loss or gradient"})
 
-    def attach(self, worker, shards, shard_names: list[str]) -> None:
-        self.worker, self.shards, self.shard_names = worker, list(shards), list(shard_names)
+    def attach(self, workers, shards, shard_names: list[str]) -> None:
+        """Workers (rank 0 first: it decides each step), the shards and their names."""
+        self.workers = list(workers) if isinstance(workers, (list, tuple)) else [workers]
+        self.worker, self.shards, self.shard_names = self.workers[0], list(shards), list(shard_names)
 
     # ---------------------------------------------------------------- steps
     async def _await_all(self, main: tuple[str, ray.ObjectRef], side) -> object:
@@ -113,8 +119,16 @@ class Scheduler:
         self.phase = Phase.COMPUTE
         prev = self._pending
         applies = [(n, s.apply.remote(step, lr)) for n, s in zip(self.shard_names, self.shards)]
-        ref = self.worker.run_step.remote(step, tokens)
-        res = await self._await_all(("worker", ref), lambda: prev + applies)
+        if len(self.workers) == 1:
+            ref, others = self.worker.run_step.remote(step, tokens), []
+        else:
+            shares = _shares(tokens, len(self.workers))
+            total = _target_tokens(tokens)
+            ref = self.worker.run_step.remote(step, shares[0], total)
+            others = [(f"worker-{r}", w.run_step.remote(step, shares[r], total))
+                      for r, w in enumerate(self.workers[1:], 1)]
+        res = await self._await_all(("worker", ref), lambda: prev + applies + others)
+        await self._collect(others)
         # The previous step's updates have all finished (the worker waited for their
         # versions); collect them, so a failure among them is reported, never dropped.
         done = await self._collect(prev)
@@ -174,6 +188,24 @@ class Scheduler:
     def set_counters(self, counters: dict) -> None:
         """Restore the counters of a resumed run."""
         self.counters.update({k: counters[k] for k in self.counters if k in counters})
+
+
+def _shares(batch, n: int) -> list:
+    """Split a step's micro-batches [M, ...] (or a {"tokens", "loss_mask"} of them) into n
+    contiguous, equal shares."""
+    if isinstance(batch, dict):
+        parts = {k: _shares(v, n) for k, v in batch.items()}
+        return [{k: parts[k][r] for k in batch} for r in range(n)]
+    m = len(batch) // n
+    return [batch[r * m:(r + 1) * m] for r in range(n)]
+
+
+def _target_tokens(batch) -> int:
+    """Target tokens of a whole step (those its loss counts)."""
+    if isinstance(batch, dict) and batch.get("loss_mask") is not None:
+        return int((np.asarray(batch["loss_mask"])[..., 1:] != 0).sum())
+    toks = np.asarray(batch["tokens"] if isinstance(batch, dict) else batch)
+    return int(np.prod(toks.shape[:-1])) * (toks.shape[-1] - 1)
 
 
 def _as_failure(label: str, exc: BaseException) -> ActorFailure:

@@ -104,15 +104,17 @@ class TrainingSession:
         gpu_free = ray.get(_gpu_free.remote()) if self.device == "cuda" else None
         self.plan = check(cfg, Machine.here(cfg.cluster.shm_dir, gpu_bytes=gpu_free))
         o = cfg.optim
-        cpus = o.num_shards * o.threads_per_shard + cfg.worker.threads
+        n_workers = cfg.worker.count
+        cpus = o.num_shards * o.threads_per_shard + n_workers * cfg.worker.threads
         bundle = {"CPU": cpus}
         if self.device == "cuda":
-            bundle["GPU"] = 1
+            bundle["GPU"] = n_workers
         have = ray.cluster_resources()
         if any(have.get(k, 0) < v for k, v in bundle.items()):
             raise MegarayError(
                 f"the Ray cluster has {dict((k, have.get(k, 0)) for k in bundle)} but the run needs {bundle} "
-                f"on one node (optim.num_shards x optim.threads_per_shard + worker.threads CPUs)")
+                f"on one node (optim.num_shards x optim.threads_per_shard + worker.count x worker.threads CPUs, "
+                f"worker.count GPUs)")
         self.pg = placement_group([bundle], strategy="STRICT_PACK", name=self.actor_name("group"))
         try:
             ray.get(self.pg.ready(), timeout=120)
@@ -148,10 +150,13 @@ class TrainingSession:
         self.buf = RunBuffers(handles, kinds=("control",))
         sched = spawn(Scheduler, "scheduler").remote(cfg, handles, self.actor_name("scheduler"))
         self.actors["scheduler"] = sched
-        worker = spawn(GpuWorker, "worker", num_cpus=cfg.worker.threads,
-                       num_gpus=1 if self.device == "cuda" else 0).remote(
-            cfg, handles, self.device, self.actor_name("worker"))
-        self.actors["worker"] = worker
+        workers = []
+        for rank in range(n_workers):          # rank 0 is "worker": it decides steps and ships gradients
+            role = "worker" if rank == 0 else f"worker-{rank}"
+            workers.append(spawn(GpuWorker, role, num_cpus=cfg.worker.threads,
+                                 num_gpus=1 if self.device == "cuda" else 0).remote(
+                cfg, handles, self.device, self.actor_name(role), rank, n_workers))
+            self.actors[role] = workers[-1]
         shards, names = [], []
         for k, pieces in enumerate(assign_pieces(len(handles.pieces), o.num_shards, o.shard_layout)):
             name = self.actor_name(f"optimizer-{k}")
@@ -166,10 +171,13 @@ class TrainingSession:
                 ray.get(a.__ray_ready__.remote())
             except ray.exceptions.RayError as e:
                 raise ActorFailure(self.actor_name(role), f"failed to start: {e}") from None
-        ray.get(sched.attach.remote(worker, shards, names))
+        if n_workers > 1:
+            addr, port = ray.get(workers[0].rendezvous.remote())
+            self._call([w.join_group.remote(addr, port) for w in workers], "worker")
+        ray.get(sched.attach.remote(workers, shards, names))
         log.info("run %s: %d layer units in %d gradient pieces, %d optimizer shards, a ring of %d x %g MiB "
-                 "gradient slabs, worker on %s", self.run_id, handles.num_units, len(handles.pieces), len(shards),
-                 handles.ring_slabs, handles.slab_bytes / 2**20, self.device)
+                 "gradient slabs, %d worker(s) on %s", self.run_id, handles.num_units, len(handles.pieces),
+                 len(shards), handles.ring_slabs, handles.slab_bytes / 2**20, n_workers, self.device)
 
     # ------------------------------------------------------------------ driving
     def _call(self, ref, who: str = "scheduler"):

@@ -65,8 +65,9 @@ class _Timer:
 
 
 class GpuWorker:
-    def __init__(self, cfg: RunConfig, handles: Handles, device: str, name: str):
+    def __init__(self, cfg: RunConfig, handles: Handles, device: str, name: str, rank: int = 0, world: int = 1):
         self.cfg, self.h, self.name = cfg, handles, name
+        self.rank, self.world = rank, world
         self.mcfg = cfg.model
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -103,6 +104,41 @@ class GpuWorker:
         self._offload_auto: int | None = None
         self.copy_in = ThreadPoolExecutor(1, thread_name_prefix="copy-in")
         self.copy_out = ThreadPoolExecutor(1, thread_name_prefix="copy-out")
+
+    # ------------------------------------------------------------------ data parallel
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: an address and a free port of this node for the workers' process group."""
+        import socket
+
+        import ray
+
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join_group(self, addr: str, port: int) -> None:
+        """Join the data-parallel process group (NCCL on GPUs, gloo on the CPU); every rank
+        calls this at once."""
+        import datetime
+
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if self.cuda else "gloo", init_method=f"tcp://{addr}:{port}",
+                                rank=self.rank, world_size=self.world,
+                                timeout=datetime.timedelta(seconds=self.cfg.worker.wait_timeout_s))
+        probe = torch.ones(1, device=self.device)
+        dist.all_reduce(probe)                      # the group works before the first step needs it
+        if int(probe.item()) != self.world:
+            raise RuntimeError(f"process group all-reduce gave {probe.item()}, expected {self.world}")
+
+    def _sum_across_workers(self, grads: list, loss_sum: torch.Tensor) -> None:
+        """Sum every unit's gradient and the loss over the data-parallel workers, in place."""
+        import torch.distributed as dist
+
+        for g in grads:
+            dist.all_reduce(g)
+        dist.all_reduce(loss_sum)
 
     # ------------------------------------------------------------------ plumbing
     def _pin(self) -> None:
@@ -351,13 +387,15 @@ class GpuWorker:
         return toks[..., :-1], targets
 
     # ------------------------------------------------------------------ steps
-    def run_step(self, step: int, tokens: np.ndarray) -> dict:
-        """Forward and backward of one step over tokens [micro_batches, batch, seq + 1]."""
+    def run_step(self, step: int, tokens: np.ndarray, total_tokens: int | None = None) -> dict:
+        """Forward and backward of one step over tokens [micro_batches, batch, seq + 1]: the
+        whole step's, or with several workers this worker's share of its micro-batches and the
+        count of target tokens in the whole step (the loss is divided by it)."""
         try:
             d = self.cfg.debug
             if d.crash_actor == "worker" and d.crash_step == step:
                 raise InjectedFault(f"injected crash at step {step}")
-            return self._run_step(step, tokens)
+            return self._run_step(step, tokens, total_tokens)
         except RunAborted as e:
             raise ActorFailure(self.name, self._shipping_error() or str(e), step,
                                aborted=self._shipping_error() is None) from None
@@ -365,7 +403,7 @@ class GpuWorker:
             self.buf.abort()
             raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
 
-    def _run_step(self, step: int, tokens: np.ndarray) -> dict:
+    def _run_step(self, step: int, tokens: np.ndarray, total_tokens: int | None = None) -> dict:
         t_start = time.perf_counter()
         timer = _Timer()
         if self._shipping is not None and self._shipping.done():
@@ -375,7 +413,7 @@ class GpuWorker:
             torch.cuda.reset_peak_memory_stats(self.device)
         inputs, targets = self._inputs_targets(tokens)
         M = inputs.shape[0]
-        n_tokens = int((targets != IGNORE_INDEX).sum())
+        n_tokens = int((targets != IGNORE_INDEX).sum()) if total_tokens is None else total_tokens
         inv_n = 1.0 / max(n_tokens, 1)
         if step in self.cfg.debug.nonfinite_steps:       # tests of step skipping
             inv_n = float("nan")
@@ -512,6 +550,9 @@ class GpuWorker:
 
         # ---- the step's verdict, exact clipping, and the gradients' way out
         t0 = time.perf_counter()
+        if self.world > 1:
+            with self._span(-1):
+                self._sum_across_workers(grads, loss_sum)
         with self._span(-1):
             sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads])
         sq = sq.cpu()                                       # waits for the backward to finish
@@ -521,7 +562,9 @@ class GpuWorker:
         coef = clip_coefficient(norm, self.cfg.optim.clip_grad_norm) if finite else 0.0
         if self.cfg.debug.keep_gradients:
             self._last_grads = {u: g.cpu().numpy() for u, g in enumerate(grads)}
-        if finite:
+        if self.rank:
+            pass            # rank 0 decides the step and ships the (identical) summed gradients
+        elif finite:
             if coef != 1.0:
                 with self._span(-1):
                     for g in grads:

@@ -297,6 +297,10 @@ class WorkerConfig:
     """'auto' (CUDA when present), 'cuda' or 'cpu'."""
     threads: int = 1
     """torch threads of the worker (and its Ray num_cpus) when it computes on the CPU."""
+    count: int = 1
+    """Data-parallel GPU workers (one GPU each) sharing the one parameter store: each computes
+    train.grad_accum / count of a step's micro-batches, and their gradients are summed (NCCL
+    on GPUs, gloo on the CPU) before the norm, so the step equals one worker's whole batch."""
     keep_activations: int | None = None
     """Blocks (the last ones) whose activations stay on the device instead of being
     recomputed in backward; null: as many as fit in free GPU memory (0 on the CPU)."""
@@ -312,6 +316,8 @@ class WorkerConfig:
             raise ConfigError("worker.device", f"must be auto, cuda or cpu (got {self.device!r})")
         if self.threads < 1:
             raise ConfigError("worker.threads", "must be >= 1")
+        if self.count < 1:
+            raise ConfigError("worker.count", "must be >= 1")
         if self.keep_activations is not None and self.keep_activations < 0:
             raise ConfigError("worker.keep_activations", "must be >= 0 or null")
         if self.offload_inputs is not None and self.offload_inputs < 0:
@@ -400,6 +406,9 @@ class RunConfig:
         if self.optim.master_dtype == "bfloat16" and self.train.compute_dtype != "bfloat16":
             raise ConfigError("optim.master_dtype", "a bfloat16 master needs train.compute_dtype: bfloat16 "
                                                     f"(got {self.train.compute_dtype})")
+        if self.train.grad_accum % self.worker.count:
+            raise ConfigError("worker.count", f"{self.worker.count} workers cannot share train.grad_accum="
+                                              f"{self.train.grad_accum} micro-batches evenly")
         sw = self.model.sliding_window
         if sw is not None and self.train.seq_len > sw:
             raise ConfigError("model.from", f"sliding_window={sw} is shorter than train.seq_len={self.train.seq_len}; "

@@ -45,7 +45,7 @@ def connect_ray(cfg: RunConfig) -> bool:
     if address:
         ray.init(address=address, namespace="megaray", log_to_driver=True)
         return True
-    needed = cfg.optim.num_shards * cfg.optim.threads_per_shard + cfg.worker.threads
+    needed = cfg.optim.num_shards * cfg.optim.threads_per_shard + cfg.worker.count * cfg.worker.threads
     ray.init(address="local", num_cpus=cfg.cluster.num_cpus or max(needed, os.cpu_count() or 1),
              object_store_memory=cfg.cluster.object_store_mb * 2**20, namespace="megaray")
     return True

@@ -16,14 +16,16 @@ import uuid
 import numpy as np
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from megaray.buffers import RunBuffers, assign_pieces
 from megaray.config import RunConfig
 from megaray.errors import ActorFailure, MegarayError
 from megaray.shm import remove_run, remove_stale
 
+from .calls import get_or_raise  # noqa: F401  (also megaray.actors.session.get_or_raise)
 from .optimizer import OptimizerShard
+from .relay import WeightRelay
 from .scheduler import Scheduler
 from .store import ParameterStore
 from .worker import GpuWorker
@@ -40,22 +42,6 @@ def resolve_device(cfg: RunConfig) -> str:
     if cfg.worker.device != "auto":
         return cfg.worker.device
     return "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
-
-
-def get_or_raise(ref, actor: str):
-    """ray.get that turns an actor's failure into megaray's own error type: the actor's
-    MegarayError itself (also one its constructor raised), else ActorFailure naming it."""
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as e:
-        cause = e.cause if getattr(e, "cause", None) is not None else e
-        if isinstance(cause, MegarayError):
-            raise cause from None
-        raise ActorFailure(actor, str(cause)) from None
-    except ray.exceptions.RayActorError as e:
-        if isinstance(getattr(e, "cause", None), MegarayError):
-            raise e.cause from None
-        raise ActorFailure(actor, f"actor died: {e}") from None
 
 
 @ray.remote(num_gpus=1, num_cpus=0, max_calls=1)   # its CUDA context leaves with it
@@ -105,9 +91,10 @@ class TrainingSession:
         self.plan = check(cfg, Machine.here(cfg.cluster.shm_dir, gpu_bytes=gpu_free))
         o = cfg.optim
         n_workers = cfg.worker.count
-        cpus = o.num_shards * o.threads_per_shard + n_workers * cfg.worker.threads
-        bundle = {"CPU": cpus}
-        if self.device == "cuda":
+        remote = cfg.worker.placement == "remote"
+        cpus = o.num_shards * o.threads_per_shard + (0 if remote else n_workers * cfg.worker.threads)
+        bundle = {"CPU": max(cpus, 1)}
+        if self.device == "cuda" and not remote:
             bundle["GPU"] = n_workers
         have = ray.cluster_resources()
         if any(have.get(k, 0) < v for k, v in bundle.items()):
@@ -126,10 +113,9 @@ class TrainingSession:
         where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0)
 
         def spawn(cls, role, num_cpus=0, num_gpus=0, **kw):
-            handle = ray.remote(cls).options(
+            return ray.remote(cls).options(
                 name=self.actor_name(role), namespace=NAMESPACE, num_cpus=num_cpus, num_gpus=num_gpus,
                 scheduling_strategy=where, max_restarts=0, **kw)
-            return handle
 
         store = spawn(ParameterStore, "store").remote(cfg, self.run_id, os.getpid())
         self.actors["store"] = store
@@ -150,12 +136,22 @@ class TrainingSession:
         self.buf = RunBuffers(handles, kinds=("control",))
         sched = spawn(Scheduler, "scheduler").remote(cfg, handles, self.actor_name("scheduler"))
         self.actors["scheduler"] = sched
+        relay, nodes = None, []
+        if remote:
+            relay = spawn(WeightRelay, "relay", max_concurrency=8).remote(cfg, handles, self.actor_name("relay"))
+            self.actors["relay"] = relay
+            nodes = self._worker_nodes(n_workers)
         workers = []
         for rank in range(n_workers):          # rank 0 is "worker": it decides steps and ships gradients
             role = "worker" if rank == 0 else f"worker-{rank}"
-            workers.append(spawn(GpuWorker, role, num_cpus=cfg.worker.threads,
-                                 num_gpus=1 if self.device == "cuda" else 0).remote(
-                cfg, handles, self.device, self.actor_name(role), rank, n_workers))
+            opts = dict(num_cpus=cfg.worker.threads, num_gpus=1 if self.device == "cuda" else 0)
+            if remote:
+                cls = ray.remote(GpuWorker).options(
+                    name=self.actor_name(role), namespace=NAMESPACE, max_restarts=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[rank], soft=False), **opts)
+            else:
+                cls = spawn(GpuWorker, role, **opts)
+            workers.append(cls.remote(cfg, handles, self.device, self.actor_name(role), rank, n_workers, relay))
             self.actors[role] = workers[-1]
         shards, names = [], []
         for k, pieces in enumerate(assign_pieces(len(handles.pieces), o.num_shards, o.shard_layout)):
@@ -178,6 +174,17 @@ class TrainingSession:
         log.info("run %s: %d layer units in %d gradient pieces, %d optimizer shards, a ring of %d x %g MiB "
                  "gradient slabs, %d worker(s) on %s", self.run_id, handles.num_units, len(handles.pieces),
                  len(shards), handles.ring_slabs, handles.slab_bytes / 2**20, n_workers, self.device)
+
+    def _worker_nodes(self, n: int) -> list[str]:
+        """Nodes other than the store's with room for a worker each (round robin over them)."""
+        store_node = ray.util.placement_group_table(self.pg)["bundles_to_node_id"][0]
+        need = {"CPU": self.cfg.worker.threads, **({"GPU": 1} if self.device == "cuda" else {})}
+        others = [nd["NodeID"] for nd in ray.nodes() if nd["Alive"] and nd["NodeID"] != store_node
+                  and all(nd["Resources"].get(k, 0) >= v for k, v in need.items())]
+        if not others:
+            raise MegarayError(f"worker.placement=remote needs a node other than the store's ({store_node[:12]}) "
+                               f"with {need}; the cluster has none")
+        return [others[r % len(others)] for r in range(n)]
 
     # ------------------------------------------------------------------ driving
     def _call(self, ref, who: str = "scheduler"):

@@ -52,6 +52,7 @@ from megaray.data import split_batch
 from megaray.errors import ActorFailure, InjectedFault, RunAborted
 from megaray.memory import keep_blocks
 from megaray.schedule import clip_coefficient
+from .calls import get_or_raise
 from megaray.model import (IGNORE_INDEX, bind, block_forward, embed_forward, head_loss_sum, rms_norm,
                            rope_tables)
 
@@ -65,19 +66,22 @@ class _Timer:
 
 
 class GpuWorker:
-    def __init__(self, cfg: RunConfig, handles: Handles, device: str, name: str, rank: int = 0, world: int = 1):
+    def __init__(self, cfg: RunConfig, handles: Handles, device: str, name: str, rank: int = 0, world: int = 1,
+                 relay=None):
         self.cfg, self.h, self.name = cfg, handles, name
         self.rank, self.world = rank, world
+        self.relay = relay      # a WeightRelay when this worker runs on another node than the store
         self.mcfg = cfg.model
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         torch.set_num_threads(cfg.worker.threads)
-        self.buf = RunBuffers(handles, kinds=("master", "compute", "ring", "control"))
+        self.buf = None if relay is not None else RunBuffers(handles, kinds=("master", "compute", "ring", "control"))
         self.dtype = DTYPES[cfg.train.compute_dtype]
         self.units = handles.units
         self.L = self.mcfg.num_hidden_layers
         if self.cuda:
-            self._pin()
+            if relay is None:
+                self._pin()
             self.copy_stream = torch.cuda.Stream(self.device)
             self.out_stream = torch.cuda.Stream(self.device)
             self.offload_stream = torch.cuda.Stream(self.device)
@@ -189,12 +193,20 @@ class GpuWorker:
         free_ev = self.slot_free[slot]
 
         def work():
-            waited = self.buf.wait(lambda: self.buf.unit_version(u) >= step,
-                                   f"optimizer update of {self.units[u].name} for step {step}",
-                                   self.cfg.worker.wait_timeout_s)
+            if self.relay is not None:      # from the store's node, through the object store
+                t0 = time.perf_counter()
+                src = get_or_raise(self.relay.unit.remote(u, step), "relay")
+                waited = time.perf_counter() - t0
+                if self.cuda:
+                    src = src.pin_memory()
+            else:
+                waited = self.buf.wait(lambda: self.buf.unit_version(u) >= step,
+                                       f"optimizer update of {self.units[u].name} for step {step}",
+                                       self.cfg.worker.wait_timeout_s)
+                src = self.buf.compute(u)
             timer.add("wait_optimizer_s", waited)
             self._opt_wait[u] = self._opt_wait.get(u, 0.0) + waited
-            src, dst = self.buf.compute(u), self.slots[slot][: self.units[u].numel]
+            dst = self.slots[slot][: self.units[u].numel]
             timer.add("copy_in_bytes", src.numel() * src.element_size())
             t0 = time.perf_counter()
             if self.cuda:
@@ -301,8 +313,22 @@ class GpuWorker:
         except RunAborted:
             raise
         except BaseException:
-            self.buf.abort()
+            self._abort()
             raise
+
+    def _abort(self) -> None:
+        """Release every waiter of the run (through the relay when the shared files are elsewhere)."""
+        if self.relay is not None:
+            self.relay.abort.remote()
+        else:
+            self.buf.abort()
+
+    def _ship_remote(self, step: int, grads: list) -> None:
+        """Copy-out thread of a worker on another node: the step's gradients to the relay."""
+        t0 = time.perf_counter()
+        st = get_or_raise(self.relay.ship.remote(step, grads), "relay")
+        st["copy_out_s"] = time.perf_counter() - t0
+        self._shipped.append(st)
 
     def _shipping_error(self) -> str | None:
         """Why the copy-out of gradients failed, when that is what aborted the run."""
@@ -400,7 +426,7 @@ class GpuWorker:
             raise ActorFailure(self.name, self._shipping_error() or str(e), step,
                                aborted=self._shipping_error() is None) from None
         except Exception as e:
-            self.buf.abort()
+            self._abort()
             raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
 
     def _run_step(self, step: int, tokens: np.ndarray, total_tokens: int | None = None) -> dict:
@@ -564,6 +590,13 @@ class GpuWorker:
             self._last_grads = {u: g.cpu().numpy() for u, g in enumerate(grads)}
         if self.rank:
             pass            # rank 0 decides the step and ships the (identical) summed gradients
+        elif self.relay is not None:
+            if finite:
+                for g in grads:
+                    g.mul_(coef)
+                self._shipping = self.copy_out.submit(self._ship_remote, step, [g.cpu() for g in grads])
+            else:
+                get_or_raise(self.relay.decide.remote(step, False), "relay")
         elif finite:
             if coef != 1.0:
                 with self._span(-1):
@@ -641,7 +674,7 @@ class GpuWorker:
         except RunAborted as e:
             raise ActorFailure(self.name, str(e), step, aborted=True) from None
         except Exception as e:
-            self.buf.abort()
+            self._abort()
             raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
 
     @torch.no_grad()
@@ -663,7 +696,8 @@ class GpuWorker:
     @torch.no_grad()
     def logits(self, tokens: np.ndarray) -> np.ndarray:
         """fp32 logits of a small batch [batch, seq] (tests and interop checks)."""
-        step = min(self.buf.unit_version(u.index) for u in self.units)
+        step = (get_or_raise(self.relay.version.remote(), "relay") if self.relay is not None
+                else min(self.buf.unit_version(u.index) for u in self.units))
         (h,), wh, we = self._forward_only(step, [torch.tensor(tokens, dtype=torch.int64).to(self.device)])
         h = rms_norm(h, wh["model.norm.weight"], self.mcfg.rms_norm_eps)
         out = we["model.embed_tokens.weight"] if self.mcfg.tie_word_embeddings else wh["lm_head.weight"]

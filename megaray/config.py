@@ -301,6 +301,10 @@ class WorkerConfig:
     """Data-parallel GPU workers (one GPU each) sharing the one parameter store: each computes
     train.grad_accum / count of a step's micro-batches, and their gradients are summed (NCCL
     on GPUs, gloo on the CPU) before the norm, so the step equals one worker's whole batch."""
+    placement: str = "local"
+    """'local': the workers share the store's node and its shared memory; 'remote': the
+    workers run on other nodes of the Ray cluster (the store and the optimizer shards stay on
+    one), and weights and gradients cross through Ray's object store via a relay actor."""
     keep_activations: int | None = None
     """Blocks (the last ones) whose activations stay on the device instead of being
     recomputed in backward; null: as many as fit in free GPU memory (0 on the CPU)."""
@@ -318,6 +322,8 @@ class WorkerConfig:
             raise ConfigError("worker.threads", "must be >= 1")
         if self.count < 1:
             raise ConfigError("worker.count", "must be >= 1")
+        if self.placement not in ("local", "remote"):
+            raise ConfigError("worker.placement", f"must be local or remote (got {self.placement!r})")
         if self.keep_activations is not None and self.keep_activations < 0:
             raise ConfigError("worker.keep_activations", "must be >= 0 or null")
         if self.offload_inputs is not None and self.offload_inputs < 0:

@@ -1,0 +1,72 @@
+"""WeightRelay actor: the parameter store's side for GPU workers on other nodes.
+
+A worker on another node cannot map the run's shared memory, so weights and gradients
+cross through Ray's object store instead, one layer unit at a time, and this actor (on the
+store's node, attached to the shared files) keeps the same ordering guarantees a local worker
+keeps through the control words (``megaray.buffers``):
+
+- ``unit(u, step)`` returns unit u's compute-dtype weights once every piece of it has
+  ``version == step`` (never stale, never half-updated);
+- ``ship(step, grads)`` publishes the step's verdict and writes the (already summed and
+  clipped) gradients piece by piece into the ring, each only into a free slab;
+- ``decide(step, False)`` skips a step; ``abort()`` releases every waiter of the run.
+
+It is a threaded actor: a worker asks for the next units while the previous step's
+gradients are still going into the ring.
+"""
+from __future__ import annotations
+
+import torch
+
+from megaray.buffers import Handles, RunBuffers
+from megaray.config import RunConfig
+from megaray.errors import ActorFailure, RunAborted
+
+
+class WeightRelay:
+    def __init__(self, cfg: RunConfig, handles: Handles, name: str):
+        torch.set_num_threads(1)
+        self.cfg, self.h, self.name = cfg, handles, name
+        self.buf = RunBuffers(handles, kinds=("master", "compute", "ring", "control"))
+
+    def _guard(self, fn, step):
+        try:
+            return fn()
+        except RunAborted as e:
+            raise ActorFailure(self.name, str(e), step, aborted=True) from None
+        except Exception as e:
+            self.buf.abort()
+            raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
+
+    def unit(self, u: int, step: int) -> torch.Tensor:
+        """Unit u's compute weights as of ``step`` steps (a copy: it leaves through the object store)."""
+        def get():
+            self.buf.wait(lambda: self.buf.unit_version(u) >= step,
+                          f"optimizer update of {self.h.units[u].name} for step {step}", self.cfg.worker.wait_timeout_s)
+            return self.buf.compute(u).clone()
+        return self._guard(get, step)
+
+    def ship(self, step: int, grads: list) -> dict:
+        """Step ``step`` is applied: every piece of ``grads`` (one flat fp32 tensor a unit) into its slab."""
+        def put():
+            self.buf.decide(step, True)
+            R, waited = self.h.ring_slabs, 0.0
+            for piece in self.h.pieces:
+                s = piece.index % R
+                waited += self.buf.wait(lambda: self.buf.slab_piece(s) == 0,
+                                        f"gradient slab {s} (for piece {piece.index} of step {step})",
+                                        self.cfg.worker.wait_timeout_s)
+                self.buf.slab(s, piece.numel).copy_(grads[piece.unit][piece.start:piece.stop])
+                self.buf.fill_slab(s, piece.index, step)
+            return {"wait_slab_s": waited, "copy_out_bytes": 4 * sum(p.numel for p in self.h.pieces)}
+        return self._guard(put, step)
+
+    def decide(self, step: int, apply: bool) -> None:
+        self.buf.decide(step, apply)
+
+    def version(self) -> int:
+        """The step every unit's weights are at, at least."""
+        return min(self.buf.unit_version(u.index) for u in self.h.units)
+
+    def abort(self) -> None:
+        self.buf.abort()

@@ -1,0 +1,74 @@
+"""Several nodes on a simulated Ray cluster (ray.cluster_utils.Cluster: three raylets on this
+machine). With ``worker.placement=remote`` the store, the optimizer shards and the relay stay
+on one node and the workers run on the others, reading weights and returning gradients
+through Ray's object store, never the run's shared memory: the result must be what the same
+run gives with its worker beside the store."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import ray
+import ray.util.state
+from ray.cluster_utils import Cluster
+
+from megaray.actors.session import NAMESPACE, TrainingSession
+from megaray.config import load_config
+from megaray.errors import MegarayError
+
+from conftest import shm_files
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    for _ in range(2):
+        c.add_node(num_cpus=1)
+    ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def _run(placement: str, workers: int = 1):
+    cfg = load_config("debug", [f"worker.placement={placement}", f"worker.count={workers}", "worker.device=cpu",
+                                "train.grad_accum=2", "optim.num_shards=1", "optim.grad_slab_mib=0.015625",
+                                "cluster.object_store_mb=80"])
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 256, (2, 2, 33)) for _ in range(3)]
+    with TrainingSession(cfg) as s:
+        losses = [s.train_step(i, b)["loss"] for i, b in enumerate(batches)]
+        where = {}
+        for role, a in s.actors.items():
+            if role.startswith(("worker", "store", "relay")):
+                where[role] = ray.util.state.get_actor(a._actor_id.hex()).node_id
+        weights = s.state_dict()
+        run_id = s.run_id
+    assert shm_files(run_id) == []
+    return losses, weights, where
+
+
+def test_remote_workers_match_a_local_worker(cluster):
+    local_l, local_w, where = _run("local")
+    assert where["worker"] == where["store"]
+    for workers in (1, 2):
+        remote_l, remote_w, where = _run("remote", workers)
+        workers_at = {where[r] for r in where if r.startswith("worker")}
+        assert where["store"] == where["relay"] and where["store"] not in workers_at
+        assert len(workers_at) == workers                   # one per other node
+        if workers == 1:                                    # the same arithmetic, bit for bit
+            assert remote_l == local_l
+            for k in local_w:
+                np.testing.assert_array_equal(remote_w[k], local_w[k], err_msg=k)
+        else:                                               # summed over two workers: to fp32 rounding
+            np.testing.assert_allclose(remote_l, local_l, rtol=1e-6)
+            for k in local_w:
+                np.testing.assert_allclose(remote_w[k], local_w[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_remote_placement_needs_another_node(cluster):
+    cfg = load_config("debug", ["worker.placement=remote", "worker.device=cpu", "worker.threads=2",
+                                "optim.num_shards=1"])
+    with pytest.raises(MegarayError, match="worker.placement=remote needs a node"):
+        TrainingSession(cfg).start()
+    assert not [a for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
+                if (a.name or "").startswith("megaray:")]

@@ -5,6 +5,11 @@ test). It removes shared-memory files of dead runs, reserves one placement group
 actors that share memory land on one node, creates the actors with readable names
 (``megaray:<run>:optimizer-1``), and on ``close()`` — called however the run ends — aborts
 waits, kills every actor and deletes the run's shared-memory files.
+
+With ``worker.count`` > 1 it starts that many workers (``worker``, ``worker-1``, ...) and
+joins them in one process group; with ``worker.placement=remote`` the placement group holds
+only the store, scheduler, shards and the relay, and each worker is pinned to another node
+(round robin over the nodes with room for one).
 """
 from __future__ import annotations
 

@@ -31,6 +31,12 @@ GPU's busy time. The gaps between regions are the GPU idle inside a step; a gap 
 unit whose weights had to wait for the optimizer counts as optimizer wait (up to that wait),
 the rest as waiting for copy-in or for kernel launches.
 
+Several workers (``worker.count``): each runs its share of the step's micro-batches with
+the whole step's token count, all-reduces every unit's gradient and the loss before the
+norm, and only rank 0 publishes the verdict and ships. On another node than the store
+(``worker.placement=remote``) a worker stages weights from the relay actor
+(``actors.relay``) and hands its gradients to it, through Ray's object store.
+
 Recomputation policy when ``worker.keep_activations`` is unset: the first step keeps what
 the estimate in ``megaray.memory`` says fits; afterwards the worker measures what one kept
 block really costs and the step's peak, and keeps more (or fewer) blocks to use the free

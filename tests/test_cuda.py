@@ -21,12 +21,13 @@ def gpu_ray():
     ray.shutdown()
 
 
-def _train(device: str, dtype: str, steps: int = 4):
+def _train(device: str, dtype: str, steps: int = 4, extra: tuple = ()):
     from megaray.actors.session import TrainingSession
     from megaray.config import load_config
 
     cfg = load_config("debug", [f"worker.device={device}", f"train.compute_dtype={dtype}",
-                                f"train.steps={steps}", "train.grad_accum=3", "optim.grad_slab_mib=0.015625"])
+                                f"train.steps={steps}", "train.grad_accum=3", "optim.grad_slab_mib=0.015625",
+                                *extra])
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 256, (3, 2, 33)) for _ in range(steps)]
     with TrainingSession(cfg) as s:
@@ -44,3 +45,16 @@ def test_gpu_matches_cpu(gpu_ray):
         assert err < 1e-5, (k, err)
     bf_l, _ = _train("cuda", "bfloat16")
     np.testing.assert_allclose(bf_l, cpu_l, rtol=2e-2)
+
+
+def test_offloaded_inputs_and_chunked_mlp_on_the_gpu(gpu_ray):
+    """Block inputs through pinned host memory on the offload stream, and the MLP in chunks,
+    on the GPU: the CPU's losses and weights to fp32 rounding."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cpu_l, cpu_w = _train("cpu", "float32")
+    gpu_l, gpu_w = _train("cuda", "float32", extra=("worker.offload_inputs=2", "worker.keep_activations=0",
+                                                    "train.mlp_chunk_tokens=16"))
+    np.testing.assert_allclose(gpu_l, cpu_l, rtol=1e-5)
+    for k in cpu_w:
+        err = np.linalg.norm(gpu_w[k] - cpu_w[k]) / np.linalg.norm(cpu_w[k])
+        assert err < 1e-5, (k, err)

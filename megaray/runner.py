@@ -226,6 +226,15 @@ class DataFeed:
         except Exception:
             pass
 
+    def alive(self) -> bool:
+        import ray
+
+        try:
+            ray.get(self.actor.describe.remote(), timeout=60)
+            return True
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            return False
+
 
 def open_session(cfg: RunConfig, run_id: str, ckpt: Checkpointer, resume: str | None):
     """Start the actors and load the newest loadable checkpoint; returns (session, step, trainer)."""
@@ -316,6 +325,9 @@ def train(cfg: RunConfig, run_id: str | None = None, on_step=None) -> dict:
                     raise
                 restarts += 1
                 session.close()
+                if not feed.alive():            # the data actor died: a new one, from the checkpoint's position
+                    feed.close()
+                    feed = DataFeed(cfg, run_id)
                 session, resumed, trainer = open_session(cfg, run_id, ckpt, "auto")
                 consecutive = trainer.get("consecutive_skipped", 0)
                 position = trainer.get("data_position", resumed * R)

@@ -58,9 +58,10 @@ from megaray.data import split_batch
 from megaray.errors import ActorFailure, InjectedFault, RunAborted
 from megaray.memory import keep_blocks
 from megaray.schedule import clip_coefficient
-from .calls import get_or_raise
 from megaray.model import (IGNORE_INDEX, bind, block_forward, embed_forward, head_loss_sum, rms_norm,
                            rope_tables)
+
+from .calls import get_or_raise
 
 
 class _Timer:

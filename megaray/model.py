@@ -211,6 +211,8 @@ def mlp(h: torch.Tensor, w: dict, chunk: int | None = None) -> torch.Tensor:
     return F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
 
 
+# torch >= 2.5 takes grouped kv heads as they are (``enable_gqa``); SDPA is a builtin without
+# an inspectable signature, so its documented parameters tell.
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 

@@ -66,9 +66,14 @@ def test_remote_workers_match_a_local_worker(cluster):
 
 
 def test_remote_placement_needs_another_node(cluster):
-    cfg = load_config("debug", ["worker.placement=remote", "worker.device=cpu", "worker.threads=2",
+    # no node has 3 CPUs for a worker, wherever the store lands
+    cfg = load_config("debug", ["worker.placement=remote", "worker.device=cpu", "worker.threads=3",
                                 "optim.num_shards=1"])
-    with pytest.raises(MegarayError, match="worker.placement=remote needs a node"):
-        TrainingSession(cfg).start()
+    session = TrainingSession(cfg)
+    try:
+        with pytest.raises(MegarayError, match="worker.placement=remote needs a node"):
+            session.start()
+    finally:
+        session.close()             # (a no-op after the refusal, which already closed it)
     assert not [a for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
                 if (a.name or "").startswith("megaray:")]

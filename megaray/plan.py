@@ -10,7 +10,8 @@ is allocated.
   ``optim.moment_dtype``; in the optimizer shards), a
   fixed allowance per actor process for the interpreter and torch, and, when the worker
   computes on the CPU, the step's gradients it holds until the norm is known;
-- the GPU: the four weight slots (embedding, head, two blocks), and at the step's peak
+- the GPU (each GPU's, with ``worker.count`` data-parallel workers: its share of the
+  step's tokens): the four weight slots (embedding, head, two blocks), and at the step's peak
   (found by walking the backward: saved inputs and kept internals are freed block by block
   as the fp32 gradients, held until the global norm is known, grow) the saved block inputs
   of a step (less those offloaded to pinned host memory: ``worker.offload_inputs``), the
@@ -120,12 +121,12 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
     if cfg.cluster.address is None:
         p.shm["ray object store"] = cfg.cluster.object_store_mb * 2**20
     p.host_private = {f"adam moments ({_SHORT[o.moment_dtype]})": 2 * DTYPES[o.moment_dtype].itemsize * p.params,
-                      "actor processes": PROCESS_BYTES * (cfg.optim.num_shards + 4)}
+                      "actor processes": PROCESS_BYTES * (cfg.optim.num_shards + 3 + cfg.worker.count)}
     if not on_gpu:
         p.host_private["step gradients held by the worker (CPU device)"] = 4 * p.params
     s = DTYPES[t.compute_dtype].itemsize
     L = m.num_hidden_layers
-    tokens = t.tokens_per_step
+    tokens = t.tokens_per_step // cfg.worker.count          # what one GPU of the data-parallel workers holds
     micro_tokens = t.micro_batch_size * t.seq_len
     chunked = micro_tokens > t.mlp_chunk_tokens
     block_numel = units[1].numel
@@ -153,7 +154,8 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
             best = (total, on_gpu_inputs, alive_kept, j)
     _, n_inputs, n_kept, j = best
     if p.offload_inputs:
-        p.host_private[f"offloaded block inputs ({p.offload_inputs}, pinned)"] = p.offload_inputs * one_input
+        p.host_private[f"offloaded block inputs ({p.offload_inputs}, pinned)"] = (
+            p.offload_inputs * one_input * cfg.worker.count)
     mlp_chunk = min(t.mlp_chunk_tokens, micro_tokens) * 3 * s * m.intermediate_size if chunked else 0
     p.gpu = {
         "weight slots (embed, head, 2 blocks)": s * (units[0].numel + units[-1].numel + 2 * block_numel),

@@ -181,25 +181,51 @@ class DataFeed:
     """The run's DataFeeder actor, and the batches asked for ahead of the step that trains.
 
     Batches are addressed by stream position (rows consumed so far), which checkpoints
-    store: a resumed run asks for exactly the rows that come next."""
+    store: a resumed run asks for exactly the rows that come next. The feeder holds no
+    state beyond its data files, so when it dies a new one takes over and the request is
+    asked again (at most ``checkpoint.max_restarts`` times), with nothing lost or repeated."""
 
     def __init__(self, cfg: RunConfig, run_id: str):
+        self.cfg, self.name = cfg, f"megaray:{run_id}:data"
+        self.rows_per_step = cfg.train.grad_accum * cfg.train.micro_batch_size
+        self.restarts = 0
+        self.ahead: dict = {}
+        self._spawn()
+        self.description = self._get(lambda: self.actor.describe.remote())
+
+    def _spawn(self) -> None:
         import ray
 
         from megaray.actors.data import DataFeeder
         from megaray.actors.session import NAMESPACE
 
-        self.cfg, self.name = cfg, f"megaray:{run_id}:data"
-        self.rows_per_step = cfg.train.grad_accum * cfg.train.micro_batch_size
         self.actor = ray.remote(DataFeeder).options(name=self.name, namespace=NAMESPACE, num_cpus=0,
-                                                    max_restarts=0).remote(cfg)
-        self.ahead: dict = {}
-        self.description = self._get(self.actor.describe.remote())
+                                                    max_restarts=0).remote(self.cfg)
 
-    def _get(self, ref):
+    def _get(self, request, ref=None):
+        """The result of ``request()`` (or of ``ref``, a request made before); a dead feeder
+        is replaced and the request asked again."""
+        import ray
+
         from megaray.actors.session import get_or_raise
 
-        return get_or_raise(ref, self.name)
+        try:
+            return get_or_raise(ref if ref is not None else request(), self.name)
+        except ActorFailure as e:
+            try:
+                ray.get(self.actor.describe.remote(), timeout=60)
+                raise                                   # alive: the request itself failed
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass
+            if self.restarts >= self.cfg.checkpoint.max_restarts:
+                raise
+            self.restarts += 1
+            log.warning("%s; started a new data actor (restart %d of %d)", e, self.restarts,
+                        self.cfg.checkpoint.max_restarts)
+            self.close()
+            self._spawn()
+            self.ahead.clear()
+            return get_or_raise(request(), self.name)
 
     def batch(self, position: int) -> tuple[dict, float, float]:
         """The step batch at ``position``; also the seconds the driver waited for it and the
@@ -212,11 +238,11 @@ class DataFeed:
         for p in [p for p in self.ahead if p < position]:
             del self.ahead[p]
         t0 = time.perf_counter()
-        r = self._get(ref)
+        r = self._get(lambda: self.actor.step_batch.remote(position), ref)
         return r["batch"], time.perf_counter() - t0, r["seconds"]
 
     def heldout(self, micro_batches: int) -> dict:
-        return self._get(self.actor.step_batch.remote(0, micro_batches, "heldout"))["batch"]
+        return self._get(lambda: self.actor.step_batch.remote(0, micro_batches, "heldout"))["batch"]
 
     def close(self) -> None:
         import ray
@@ -226,14 +252,6 @@ class DataFeed:
         except Exception:
             pass
 
-    def alive(self) -> bool:
-        import ray
-
-        try:
-            ray.get(self.actor.describe.remote(), timeout=60)
-            return True
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-            return False
 
 
 def open_session(cfg: RunConfig, run_id: str, ckpt: Checkpointer, resume: str | None):
@@ -325,9 +343,6 @@ def train(cfg: RunConfig, run_id: str | None = None, on_step=None) -> dict:
                     raise
                 restarts += 1
                 session.close()
-                if not feed.alive():            # the data actor died: a new one, from the checkpoint's position
-                    feed.close()
-                    feed = DataFeed(cfg, run_id)
                 session, resumed, trainer = open_session(cfg, run_id, ckpt, "auto")
                 consecutive = trainer.get("consecutive_skipped", 0)
                 position = trainer.get("data_position", resumed * R)
@@ -380,6 +395,7 @@ def train(cfg: RunConfig, run_id: str | None = None, on_step=None) -> dict:
             "tokens_per_s": cfg.train.tokens_per_step * max(1, cfg.train.steps - first_step) / wall,
             # the driver's wait for batches, and the data actor's work, against the steps' time
             "data_wait_share": data_t[0] / max(data_t[2], 1e-9), "data_build_share": data_t[1] / max(data_t[2], 1e-9),
+            "data_restarts": feed.restarts,
         })
         if losses:
             log.info("done: loss %.4f -> %.4f (mean of last %d), held-out %.4f, %s",

@@ -127,3 +127,14 @@ def test_train_refuses_an_8b_model_here_before_any_actor(ray_cluster, tmp_path):
     assert shm_files() == []
     names = [a for a in ray.util.list_named_actors(all_namespaces=True) if "big-" in a["name"]]
     assert names == []
+
+
+def test_data_parallel_workers_each_plan_their_share():
+    one = load_config("debug", ["model.shape=llama3b", "train.compute_dtype=bfloat16", "train.grad_accum=4"])
+    two = load_config("debug", ["model.shape=llama3b", "train.compute_dtype=bfloat16", "train.grad_accum=4",
+                                "worker.count=2"])
+    a, b = plan(one), plan(two)
+    assert b.gpu["gradient of the step's activations"] * 2 == a.gpu["gradient of the step's activations"]
+    assert b.gpu["weight slots (embed, head, 2 blocks)"] == a.gpu["weight slots (embed, head, 2 blocks)"]
+    assert b.host_private["actor processes"] - a.host_private["actor processes"] == PROCESS_BYTES
+    assert b.shm == a.shm                                   # one store, whatever the workers

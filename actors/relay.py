@@ -50,14 +50,11 @@ class WeightRelay:
         """Step ``step`` is applied: every piece of ``grads`` (one flat fp32 tensor a unit) into its slab."""
         def put():
             self.buf.decide(step, True)
-            R, waited = self.h.ring_slabs, 0.0
+            waited = 0.0
             for piece in self.h.pieces:
-                s = piece.index % R
-                waited += self.buf.wait(lambda: self.buf.slab_piece(s) == 0,
-                                        f"gradient slab {s} (for piece {piece.index} of step {step})",
-                                        self.cfg.worker.wait_timeout_s)
-                self.buf.slab(s, piece.numel).copy_(grads[piece.unit][piece.start:piece.stop])
-                self.buf.fill_slab(s, piece.index, step)
+                src = grads[piece.unit][piece.start:piece.stop]
+                waited += self.buf.put_piece(piece, step, lambda dst, src=src: dst.copy_(src),
+                                             self.cfg.worker.wait_timeout_s)
             return {"wait_slab_s": waited, "copy_out_bytes": 4 * sum(p.numel for p in self.h.pieces)}
         return self._guard(put, step)
 

@@ -293,27 +293,26 @@ class GpuWorker:
     def _ship(self, step: int, grads: list, ready) -> None:
         """Copy-out thread: every piece of the step's (clipped) gradients into its ring slab,
         in forward order; each slab is handed to its shard as soon as its copy has landed."""
-        R, st = self.h.ring_slabs, {}
+        st = {"wait_slab_s": 0.0, "copy_out_s": 0.0, "copy_out_bytes": 0}
         try:
             if ready is not None:
                 self.out_stream.wait_event(ready)
             last = {p.unit: p.index for p in self.h.pieces}
             for piece in self.h.pieces:
-                s = piece.index % R
-                st["wait_slab_s"] = st.get("wait_slab_s", 0.0) + self.buf.wait(
-                    lambda: self.buf.slab_piece(s) == 0, f"gradient slab {s} (for piece {piece.index} of step {step})",
-                    self.cfg.worker.wait_timeout_s)
-                src, dst = grads[piece.unit][piece.start:piece.stop], self.buf.slab(s, piece.numel)
-                t0 = time.perf_counter()
-                if self.cuda:
-                    with torch.cuda.stream(self.out_stream):
-                        dst.copy_(src, non_blocking=True)
-                    self.out_stream.synchronize()
-                else:
-                    dst.copy_(src)
-                st["copy_out_s"] = st.get("copy_out_s", 0.0) + time.perf_counter() - t0
-                st["copy_out_bytes"] = st.get("copy_out_bytes", 0) + 4 * piece.numel
-                self.buf.fill_slab(s, piece.index, step)
+                src = grads[piece.unit][piece.start:piece.stop]
+
+                def copy(dst, src=src):
+                    t0 = time.perf_counter()
+                    if self.cuda:
+                        with torch.cuda.stream(self.out_stream):
+                            dst.copy_(src, non_blocking=True)
+                        self.out_stream.synchronize()       # landed before the shard may read it
+                    else:
+                        dst.copy_(src)
+                    st["copy_out_s"] += time.perf_counter() - t0
+
+                st["wait_slab_s"] += self.buf.put_piece(piece, step, copy, self.cfg.worker.wait_timeout_s)
+                st["copy_out_bytes"] += 4 * piece.numel
                 if last[piece.unit] == piece.index:
                     grads[piece.unit] = None                # its device memory goes back now
             self._shipped.append(st)

@@ -235,6 +235,17 @@ class RunBuffers:
         self.control[self._slab_step + s] = step
         self.control[self._slab + s] = piece + 1
 
+    def put_piece(self, piece: Piece, step: int, copy, timeout_s: float) -> float:
+        """The writer's side of the ring for one piece: wait until its slab (``piece mod R``)
+        is free, ``copy(slab view)`` the gradient in, hand the slab to the piece's shard.
+        Returns the seconds spent waiting for the slab."""
+        s = piece.index % self.h.ring_slabs
+        waited = self.wait(lambda: self.slab_piece(s) == 0,
+                           f"gradient slab {s} (for piece {piece.index} of step {step})", timeout_s)
+        copy(self.slab(s, piece.numel))
+        self.fill_slab(s, piece.index, step)
+        return waited
+
     def free_slab(self, s: int) -> None:
         self.control[self._slab + s] = 0
 

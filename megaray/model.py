@@ -130,6 +130,13 @@ def _stable_hash(text: str) -> int:
 
 # ----------------------------------------------------------------------------- templates
 
+def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight * (x / rms(x)) computed in fp32 and cast back; also the fp32 1/rms per token."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (xf * rstd).to(x.dtype), rstd
+
+
 class _RMSNorm(torch.autograd.Function):
     """RMSNorm that saves its input as it came (bf16 on the GPU) and one fp32 scale per token,
     not the fp32 upcast autograd would keep: 2 bytes an element instead of 6. The forward's
@@ -137,10 +144,9 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        xf = x.float()
-        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        out, rstd = _rms_norm_forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return weight * (xf * rstd).to(x.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dy):
@@ -157,10 +163,7 @@ class _RMSNorm(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNorm.apply(x, weight, eps)
-    dtype = x.dtype
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    return _rms_norm_forward(x, weight, eps)[0]
 
 
 class _ChunkedMLP(torch.autograd.Function):

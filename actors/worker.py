@@ -8,9 +8,13 @@ shards through the shared control words (``megaray.buffers``) alone.
 
 Double buffering: block units alternate between two device buffers; the embedding and the
 head have one each. While unit i computes, a copy thread stages unit i+1 into the other
-buffer (after waiting for ``version[i+1] == step``). On CUDA the copies run on their own
-stream from pinned (cudaHostRegister'ed) shared memory and compute waits on events; on the
-CPU the same thread schedule runs with plain copies, so CI exercises the same ordering.
+buffer, piece by piece, each piece as soon as its ``version == step`` (a unit whose pieces
+several shards update at once starts crossing the link before its last piece is done). On
+CUDA the copies run on their own stream from pinned (cudaHostRegister'ed) shared memory and
+compute waits on events; on the CPU the same thread schedule runs with plain copies, so CI
+exercises the same ordering. With ``optim.compute_copy`` device there is no bf16 copy on
+the host: the fp32 master crosses the link one slab at a time into a staging buffer and is
+cast into the weight buffer on the copy stream.
 
 Backward recomputes each block from its saved input, except the last K blocks, whose
 internals (and a private device copy of their weights) stay resident from the forward:
@@ -112,6 +116,7 @@ class GpuWorker:
         self._shipped: list[dict] = []              # copy-out statistics of finished steps
         self._last_grads: dict[int, np.ndarray] = {}
         self._host_inputs: torch.Tensor | None = None     # offloaded block inputs (pinned on CUDA)
+        self._staging: torch.Tensor | None = None         # fp32 slab for the on-device cast
         self._offload_auto: int | None = None
         self.copy_in = ThreadPoolExecutor(1, thread_name_prefix="copy-in")
         self.copy_out = ThreadPoolExecutor(1, thread_name_prefix="copy-out")
@@ -198,6 +203,7 @@ class GpuWorker:
         self.slot_unit[slot] = u
         self._slot_step[slot] = step
         free_ev = self.slot_free[slot]
+        dst = self.slots[slot][: self.units[u].numel]
 
         def work():
             if self.relay is not None:      # from the store's node, through the object store
@@ -206,32 +212,54 @@ class GpuWorker:
                 waited = time.perf_counter() - t0
                 if self.cuda:
                     src = src.pin_memory()
+                parts = [(None, 0, src.numel())]
             else:
-                waited = self.buf.wait(lambda: self.buf.unit_version(u) >= step,
-                                       f"optimizer update of {self.units[u].name} for step {step}",
-                                       self.cfg.worker.wait_timeout_s)
-                src = self.buf.compute(u)
+                src, waited = self.buf.compute(u), 0.0
+                parts = [(p.index, p.start, p.stop) for p in map(self.h.pieces.__getitem__, self.h.unit_pieces(u))]
+            timer.add("copy_in_bytes", src.numel() * src.element_size())
+            ev = None
+            if self.cuda and free_ev is not None:
+                self.copy_stream.wait_event(free_ev)
+            # Piece by piece, each as soon as its update is in: a unit updated by several
+            # shards at once starts crossing the link before its last piece is done.
+            for piece, a, b in parts:
+                if piece is not None:
+                    waited += self.buf.wait(lambda: self.buf.version(piece) >= step,
+                                            f"optimizer update of {self.units[u].name} for step {step}",
+                                            self.cfg.worker.wait_timeout_s)
+                ev = self._copy_in(dst[a:b], src[a:b], timer)
             timer.add("wait_optimizer_s", waited)
             self._opt_wait[u] = self._opt_wait.get(u, 0.0) + waited
-            dst = self.slots[slot][: self.units[u].numel]
-            timer.add("copy_in_bytes", src.numel() * src.element_size())
+            return ev
+
+        return self.copy_in.submit(work)
+
+    def _copy_in(self, dst: torch.Tensor, src: torch.Tensor, timer: _Timer):
+        """Copy host ``src`` into device ``dst``; on CUDA on the copy stream, returning the
+        event after it. A source in another dtype (the fp32 master, ``optim.compute_copy``
+        device) crosses the link as it is, one slab at a time into an fp32 staging buffer,
+        and is cast into ``dst`` there, on the same stream."""
+        if not self.cuda:
             t0 = time.perf_counter()
-            if self.cuda:
-                with torch.cuda.stream(self.copy_stream):
-                    if free_ev is not None:
-                        self.copy_stream.wait_event(free_ev)
-                    start = torch.cuda.Event(enable_timing=True)
-                    ev = torch.cuda.Event(enable_timing=True)
-                    start.record(self.copy_stream)
-                    dst.copy_(src, non_blocking=True)
-                    ev.record(self.copy_stream)
-                self._copy_events.append((start, ev))
-                return ev
             dst.copy_(src)
             timer.add("copy_in_s", time.perf_counter() - t0)
             return None
-
-        return self.copy_in.submit(work)
+        with torch.cuda.stream(self.copy_stream):
+            start, ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self.copy_stream)
+            if src.dtype == dst.dtype:
+                dst.copy_(src, non_blocking=True)
+            else:
+                if self._staging is None or self._staging.dtype != src.dtype:
+                    self._staging = torch.empty(self.h.slab_numel, dtype=src.dtype, device=self.device)
+                n = self._staging.numel()
+                for a in range(0, src.numel(), n):
+                    part = self._staging[: min(n, src.numel() - a)]
+                    part.copy_(src[a:a + n], non_blocking=True)
+                    dst[a:a + n].copy_(part)
+            ev.record(self.copy_stream)
+        self._copy_events.append((start, ev))
+        return ev
 
     def _ready(self, fut: Future, timer: _Timer) -> None:
         t0 = time.perf_counter()
@@ -270,15 +298,17 @@ class GpuWorker:
     def _gpu_time(self) -> dict:
         """Busy time of the step's compute regions and the idle gaps between them."""
         el = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)
-        busy = opt = other = 0.0
+        busy = opt = other = first = 0.0
         for k, (u, a, b) in enumerate(self._spans):
             busy += el(a, b)
             waited = self._opt_wait.pop(u, 0.0)         # only a unit's first region waited
-            if k:                                       # (before the first, it is outside the GPU work)
+            if k:
                 gap = max(0.0, el(self._spans[k - 1][2], a))
                 w = min(gap, waited)
                 opt, other = opt + w, other + gap - w
-        return {"compute_s": busy, "gap_optimizer_s": opt, "gap_other_s": other}
+            else:                                       # before the first region: outside the GPU
+                first = waited                          # work, of which this long waiting for updates
+        return {"compute_s": busy, "gap_optimizer_s": opt, "gap_other_s": other, "first_unit_optimizer_s": first}
 
     def _adapt_keep(self) -> None:
         """Re-choose the kept blocks from this step's measured peak and per-block cost."""
@@ -641,7 +671,8 @@ class GpuWorker:
 
     def link_speed(self, repeats: int = 5) -> dict:
         """Copy-in and copy-out bandwidth of the pinned buffers measured alone (nothing else
-        running): every block's compute copy host->device, and slab-sized pieces
+        running): every block's weights host->device as a step streams them (the compute
+        copy, or the fp32 master cast on the device), and slab-sized pieces
         device->host into the gradient ring (benchmarks; call between steps)."""
         units = [u for u in self.units if u.kind == "block"] or list(self.units)
         dst = self.slots["block0"]
@@ -659,12 +690,14 @@ class GpuWorker:
             return (time.perf_counter() - t0) / repeats
 
         self.slot_unit["block0"] = -1                       # its contents are overwritten below
+        scratch = _Timer()
+        t_in = timed(lambda: [self._copy_in(dst[: u.numel], self.buf.compute(u.index), scratch) for u in units])
+        self._copy_events = []
         with torch.cuda.stream(self.copy_stream) if self.cuda else nullcontext():
-            t_in = timed(lambda: [dst[: u.numel].copy_(self.buf.compute(u.index), non_blocking=True) for u in units])
             slabs = [self.buf.slab(k) for k in range(self.h.ring_slabs)]
             n_out = max(1, sum(u.numel for u in units) // self.h.slab_numel)
             t_out = timed(lambda: [slabs[k % len(slabs)].copy_(g, non_blocking=True) for k in range(n_out)])
-        bytes_in = sum(u.numel for u in units) * self.dtype.itemsize
+        bytes_in = sum(u.numel for u in units) * self.buf.compute(0).element_size()   # as they cross the link
         return {"copy_in_gbps": bytes_in / t_in / 1e9, "copy_out_gbps": n_out * 4 * self.h.slab_numel / t_out / 1e9}
 
     def gradients(self) -> dict[int, np.ndarray]:

@@ -41,7 +41,7 @@ class BaselineLlama(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = embed_forward(self._w(self.units[0]), tokens)
         for u in self.units[1:-1]:
-            x = block_forward(self._w(u), x, self.rope, self.cfg)
+            x = block_forward(self._w(u), x, self.rope, self.cfg, lean=False)   # plain autograd
         wh = self._w(self.units[-1])
         from megaray.model import rms_norm
 
@@ -118,15 +118,17 @@ def breakdown(m: dict) -> dict:
     """Where one step's time went; the first four parts add up to the step time exactly.
 
     - compute: the GPU's busy time (CUDA events around every compute region);
-    - idle waiting for the optimizer: gaps between compute regions before a layer whose
-      weights had to wait for their update (counted up to that wait);
+    - idle waiting for the optimizer (the exposed optimizer time): gaps between compute
+      regions before a layer whose weights had to wait for their update (counted up to that
+      wait), and the wait for the first layer's update before the step's first region;
     - idle waiting for copy-in or launches: the other gaps between compute regions;
-    - outside the GPU work: the rest of the step (the Ray call that starts it, the wait for
-      the first layer's weights, the loss and norm reaching the host, the verdict).
+    - outside the GPU work: the rest of the step (the Ray call that starts it, the first
+      layer's copy-in, the loss and norm reaching the host, the verdict).
     Copy-in, copy-out and the optimizer's update time overlap compute; they are listed after.
     """
     step, compute = m["step_time_s"], m.get("worker/compute_s", 0.0)
     opt, other = m.get("worker/gap_optimizer_s", 0.0), m.get("worker/gap_other_s", 0.0)
+    opt += min(m.get("worker/first_unit_optimizer_s", 0.0), max(0.0, step - compute - opt - other))
     outside = step - compute - opt - other
     return {"step_s": step, "compute_s": compute, "idle_optimizer_s": opt, "idle_copy_in_s": other,
             "outside_s": outside, "gpu_idle_fraction": (step - compute) / step,
@@ -185,6 +187,8 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
                       "worker": {k[7:]: v for k, v in med.items() if k.startswith("worker/") and k.endswith("_s")},
                       "gpu_peak_gib": gpu_peak / 2**30}
     if baseline:
+        if cfg.worker.device == "cuda":
+            _await_gpu_memory(cfg.model.num_params() * 20)
         try:
             b = run_baseline(cfg, state, batches, "cuda" if cfg.worker.device == "cuda" else "cpu")
             bs = statistics.median(b["times"][1:] if len(b["times"]) > 1 else b["times"])
@@ -195,6 +199,15 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
         except torch.cuda.OutOfMemoryError:
             out["baseline"] = "out of memory"
     return out
+
+
+def _await_gpu_memory(need: int, timeout_s: float = 60.0) -> None:
+    """Wait until ``need`` bytes of GPU memory are free: killing the session's worker only
+    asks Ray to end its process, and the baseline must not start while that process still
+    holds the GPU."""
+    t0 = time.perf_counter()
+    while torch.cuda.mem_get_info()[0] < need and time.perf_counter() - t0 < timeout_s:
+        time.sleep(0.2)
 
 
 def optimizer_scaling(cfg: RunConfig, counts: list[int], cores: int | None = None) -> list[dict]:

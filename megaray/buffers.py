@@ -8,7 +8,8 @@ Files of one run (see ``megaray.shm`` for naming):
 - ``master``: master weights (fp32, or bf16 with ``optim.master_dtype``), one flat region
   per layer unit.
 - ``compute``: the compute-dtype copy the worker reads (absent when the compute dtype is
-  the master's: then the worker reads the master regions themselves).
+  the master's, or with ``optim.compute_copy`` device: then the worker reads the master
+  regions themselves and, in the second case, casts them on the device).
 - ``ring``: the gradient ring, R slabs of ``optim.grad_slab_mib`` each. A unit's flat fp32
   gradient is cut into pieces of at most one slab (split at the unit's decay boundary too);
   piece p of a step always travels through slab ``p mod R``. Gradients use no other host
@@ -113,10 +114,10 @@ class Handles:
 
     @classmethod
     def plan(cls, run_id: str, owner_pid: int, shm_dir: str, compute_dtype: str, units,
-             slab_numel: int, ring_slabs: int, master_dtype: str = "float32") -> "Handles":
+             slab_numel: int, ring_slabs: int, master_dtype: str = "float32", host_copy: bool = True) -> "Handles":
         units = tuple(units)
         m_off, m_bytes = unit_offsets(units, DTYPES[master_dtype].itemsize)
-        if compute_dtype == master_dtype:
+        if compute_dtype == master_dtype or not host_copy:
             c_off, c_bytes = m_off, 0
         else:
             c_off, c_bytes = unit_offsets(units, DTYPES[compute_dtype].itemsize)
@@ -130,7 +131,8 @@ class Handles:
     @classmethod
     def for_config(cls, cfg, run_id: str, owner_pid: int, units) -> "Handles":
         return cls.plan(run_id, owner_pid, cfg.cluster.shm_dir, cfg.train.compute_dtype, units,
-                        cfg.optim.slab_numel, cfg.optim.ring_slabs, cfg.optim.master_dtype)
+                        cfg.optim.slab_numel, cfg.optim.ring_slabs, cfg.optim.master_dtype,
+                        cfg.host_compute_copy)
 
     def unit_pieces(self, u: int) -> range:
         """Indices of unit u's pieces (consecutive, since pieces are cut in unit order)."""
@@ -148,6 +150,11 @@ class Handles:
     def aliased(self) -> bool:
         """The worker reads the master itself (no separate compute copy)."""
         return self.compute_bytes == 0
+
+    @property
+    def cast_on_device(self) -> bool:
+        """The worker reads the master and casts it to the compute dtype itself."""
+        return self.aliased and self.compute_dtype != self.master_dtype
 
     @property
     def num_units(self) -> int:

@@ -206,6 +206,9 @@ class TrainConfig:
         return self.micro_batch_size * self.grad_accum * self.seq_len
 
 
+AUTO_DEVICE_CAST_TOKENS = 32768   # optim.compute_copy=auto casts on the device from this many tokens a worker
+
+
 @dataclass(kw_only=True)
 class OptimConfig:
     lr: float = 3e-4
@@ -249,6 +252,15 @@ class OptimConfig:
     bfloat16; the worker then reads the master itself, saving the compute copy too: 6 bytes
     a parameter become 2). The update computes in fp32 and stores the weights with
     stochastic rounding, so updates smaller than a bf16 step still move them on average."""
+    compute_copy: str = "auto"
+    """Where the compute-dtype (bf16) copy of the weights is made: 'host' (the optimizer
+    shards refresh a copy in shared memory after each update and the GPU reads 2 bytes a
+    parameter), 'device' (no host copy: the worker streams the fp32 master and casts on the
+    GPU, 4 bytes a parameter over the link, 2 bytes a parameter less host memory and no
+    cast pass on the optimizer's cores), or 'auto': device when each worker's share of a
+    step holds at least 32,768 tokens (then a block's compute outlasts its fp32 transfer by
+    several times) and the workers share the store's node, else host. No effect when the
+    master already has the compute dtype."""
 
     def __post_init__(self):
         if not self.lr > 0:
@@ -277,6 +289,8 @@ class OptimConfig:
             raise ConfigError("optim.grad_ring_slabs", "must be >= 1 or null")
         if self.shard_layout not in ("contiguous", "interleaved"):
             raise ConfigError("optim.shard_layout", f"must be contiguous or interleaved (got {self.shard_layout!r})")
+        if self.compute_copy not in ("auto", "host", "device"):
+            raise ConfigError("optim.compute_copy", f"must be auto, host or device (got {self.compute_copy!r})")
         for key in ("moment_dtype", "master_dtype"):
             if getattr(self, key) not in _DTYPES:
                 raise ConfigError(f"optim.{key}", f"must be one of {_DTYPES} (got {getattr(self, key)!r})")
@@ -400,6 +414,16 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+
+    @property
+    def host_compute_copy(self) -> bool:
+        """Whether the store keeps a compute-dtype copy in shared memory (``optim.compute_copy``)."""
+        if self.train.compute_dtype == self.optim.master_dtype:
+            return False
+        if self.optim.compute_copy != "auto":
+            return self.optim.compute_copy == "host"
+        per_worker = self.train.tokens_per_step // self.worker.count
+        return self.worker.placement == "remote" or per_worker < AUTO_DEVICE_CAST_TOKENS
 
     def __post_init__(self):
         units = self.model.num_hidden_layers + 2

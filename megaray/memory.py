@@ -3,13 +3,13 @@
 The worker keeps every block's *input* for each micro-batch of a step. A block whose
 internals are also kept is not recomputed in backward; the policy keeps the internals of
 the last K blocks (their backward runs first, so they are also freed first), K chosen from
-free device memory when not set in the config. The estimate counts what autograd saves in
-``megaray.model.block_forward`` per token: the first norm's output (its input is the block
-input, held anyway) and the second norm's input and output (``megaray.model`` saves a norm's
-input as it is plus one fp32 scale per token), the rotated q and k, v and attention's
-output and log-sum-exp (kv heads as they are where SDPA takes them grouped, else repeated),
-o_proj's input, and the MLP's four [tokens, intermediate] tensors, none of which stay when
-the MLP runs in chunks (``train.mlp_chunk_tokens``). The H200 figures in BENCHMARKS.md
+free device memory when not set in the config. The estimate counts
+what autograd saves in ``megaray.model.block_forward`` (its lean form) per token: one fp32
+scale per norm, the second norm's input (the first's is the block input, held anyway; the
+norms' outputs are rebuilt in backward), q, k and v (kv heads as they are where SDPA takes
+them grouped, else repeated), attention's output (also o_proj's input) and log-sum-exp, and
+the MLP's gate and up projections. When the MLP runs in chunks (``train.mlp_chunk_tokens``)
+it keeps neither, but the second norm's output instead. The H200 figures in BENCHMARKS.md
 compare it with what one kept block measures.
 """
 from __future__ import annotations
@@ -26,10 +26,10 @@ def block_internal_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, mlp_chunk
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     s = dtype_bytes
-    norms = 3 * s * h + 2 * 4                   # norm 1's output, norm 2's input and output, two scales
+    norms = 2 * 4 + s * h * (2 if mlp_chunked else 1)     # two scales; norm 2's input (and output, chunked)
     kv_saved = kv if _SDPA_GQA or kv == q else q
-    attn = s * (2 * q + 2 * kv_saved) + 4 * cfg.num_attention_heads + s * q   # sdpa q/k/v/out, lse; o_proj input
-    mlp = 0 if mlp_chunked else 4 * s * i       # gate, silu(gate), up, product
+    attn = s * (2 * q + 2 * kv_saved) + 4 * cfg.num_attention_heads   # q, k, v, output (= o_proj input), lse
+    mlp = 0 if mlp_chunked else 2 * s * i       # gate and up
     return norms + attn + mlp
 
 

@@ -137,6 +137,23 @@ def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tupl
     return weight * (xf * rstd).to(x.dtype), rstd
 
 
+def _norm_again(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    """The norm's output rebuilt from its input and saved scale: the forward's arithmetic exactly."""
+    return weight * (x.float() * rstd).to(x.dtype)
+
+
+def _norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                   need_dw: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of the input and the scale weight of ``weight * x * rstd``, in fp32."""
+    n = x.float() * rstd
+    dw = None
+    if need_dw:
+        dw = (dy.float() * n.to(x.dtype).float()).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+    dn = dy.float() * weight.float()
+    dx = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
+    return dx.to(x.dtype), dw
+
+
 class _RMSNorm(torch.autograd.Function):
     """RMSNorm that saves its input as it came (bf16 on the GPU) and one fp32 scale per token,
     not the fp32 upcast autograd would keep: 2 bytes an element instead of 6. The forward's
@@ -151,13 +168,77 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        n = x.float() * rstd
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = (dy.float() * n.to(x.dtype).float()).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
-        dn = dy.float() * weight.float()
-        dx = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
-        return dx.to(x.dtype), dw, None
+        dx, dw = _norm_backward(dy, x, weight, rstd, ctx.needs_input_grad[1])
+        return dx, dw, None
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class _NormLinears(torch.autograd.Function):
+    """``linear(rms_norm(x), W_k, b_k)`` for several k (q, k and v) that saves the norm's input
+    and per-token scale but not its output: the backward rebuilds that in one elementwise
+    pass. Same forward arithmetic as the separate ops; ``wb`` is W_1, b_1, W_2, b_2, ...
+    (a bias may be None)."""
+
+    @staticmethod
+    def forward(ctx, x, wn, eps, *wb):
+        h, rstd = _rms_norm_forward(x, wn, eps)
+        ctx.save_for_backward(x, wn, rstd, *wb)
+        return tuple(F.linear(h, wb[k], wb[k + 1]) for k in range(0, len(wb), 2))
+
+    @staticmethod
+    def backward(ctx, *dys):
+        x, wn, rstd, *wb = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        h = _flat(_norm_again(x, wn, rstd))
+        dh, grads = None, []
+        for j, dy in enumerate(dys):
+            w, b = wb[2 * j], wb[2 * j + 1]
+            d = _flat(dy)
+            grads.append(d.t().mm(h) if need[3 + 2 * j] else None)
+            grads.append(d.sum(0) if b is not None and need[4 + 2 * j] else None)
+            part = d.mm(w)
+            dh = part if dh is None else dh + part
+        dx, dwn = _norm_backward(dh.view(x.shape), x, wn, rstd, need[1])
+        return (dx, dwn, None, *grads)
+
+
+class _NormSwiGLU(torch.autograd.Function):
+    """``down(silu(gate(h)) * up(h))`` with ``h = rms_norm(x)``, saving the norm's input and
+    scale and the gate and up projections only: the norm's output, ``silu(gate)`` and the
+    product (half of what autograd would keep) are rebuilt in the backward by elementwise
+    passes, which cost far less than recomputing the block. Forward arithmetic and backward
+    formulas are autograd's own (``silu_backward``), so the gradients are the same."""
+
+    @staticmethod
+    def forward(ctx, x, wn, wg, wu, wd, eps):
+        h, rstd = _rms_norm_forward(x, wn, eps)
+        g, u = F.linear(h, wg), F.linear(h, wu)
+        ctx.save_for_backward(x, wn, rstd, g, u, wg, wu, wd)
+        return F.linear(F.silu(g) * u, wd)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, wn, rstd, g, u, wg, wu, wd = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        g, u, d = _flat(g), _flat(u), _flat(dy)
+        sg = F.silu(g)
+        dwd = d.t().mm(sg * u) if need[4] else None
+        dp = d.mm(wd)
+        du = dp * sg
+        del sg
+        dg = torch.ops.aten.silu_backward(dp * u, g)
+        del dp
+        h = _flat(_norm_again(x, wn, rstd))
+        dwg = dg.t().mm(h) if need[2] else None
+        dwu = du.t().mm(h) if need[3] else None
+        del h
+        dh = dg.mm(wg)
+        dh += du.mm(wu)
+        dx, dwn = _norm_backward(dh.view(x.shape), x, wn, rstd, need[1])
+        return dx, dwn, dwg, dwu, dwd, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -254,23 +335,32 @@ def embed_forward(w: dict, tokens: torch.Tensor) -> torch.Tensor:
     return F.embedding(tokens, w["model.embed_tokens.weight"])
 
 
-def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig, mlp_chunk: int | None = None) -> torch.Tensor:
+def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig, mlp_chunk: int | None = None,
+                  lean: bool = True) -> torch.Tensor:
     """One decoder block: x + attn(norm(x)), then + mlp(norm(.)). x: [B, S, H].
 
     Grouped-query attention hands the kv heads to SDPA as they are where torch supports it
-    (``enable_gqa``), never materializing the repeated keys and values; ``mlp_chunk`` see ``mlp``."""
+    (``enable_gqa``), never materializing the repeated keys and values; ``mlp_chunk`` see ``mlp``.
+    ``lean`` (under autograd): each norm is fused with the projections that read it
+    (``_NormLinears``, ``_NormSwiGLU``), so the saved activations are about half of plain
+    autograd's for the same forward arithmetic; the bench's baseline runs ``lean=False``."""
     b, s, _ = x.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     cos, sin = rope[0][:s], rope[1][:s]
-    h = rms_norm(x, w["input_layernorm.weight"], cfg.rms_norm_eps)
-    q = F.linear(h, w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"))
-    k = F.linear(h, w["self_attn.k_proj.weight"], w.get("self_attn.k_proj.bias"))
-    v = F.linear(h, w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias"))
+    eps = cfg.rms_norm_eps
+    lean = lean and torch.is_grad_enabled()
+    wqkv = [w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"), w["self_attn.k_proj.weight"],
+            w.get("self_attn.k_proj.bias"), w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias")]
+    if lean:
+        q, k, v = _NormLinears.apply(x, w["input_layernorm.weight"], eps, *wqkv)
+    else:
+        h = rms_norm(x, w["input_layernorm.weight"], eps)
+        q, k, v = (F.linear(h, wqkv[j], wqkv[j + 1]) for j in (0, 2, 4))
     q = q.view(b, s, nh, hd)
     k = k.view(b, s, nkv, hd)
     if cfg.qk_norm:
-        q = rms_norm(q, w["self_attn.q_norm.weight"], cfg.rms_norm_eps)
-        k = rms_norm(k, w["self_attn.k_norm.weight"], cfg.rms_norm_eps)
+        q = rms_norm(q, w["self_attn.q_norm.weight"], eps)
+        k = rms_norm(k, w["self_attn.k_norm.weight"], eps)
     q = apply_rope(q.transpose(1, 2), cos.to(q.dtype), sin.to(q.dtype))
     k = apply_rope(k.transpose(1, 2), cos.to(k.dtype), sin.to(k.dtype))
     v = v.view(b, s, nkv, hd).transpose(1, 2)
@@ -283,8 +373,11 @@ def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig, mlp_c
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     a = a.transpose(1, 2).reshape(b, s, nh * hd)
     x = x + F.linear(a, w["self_attn.o_proj.weight"])
-    h = rms_norm(x, w["post_attention_layernorm.weight"], cfg.rms_norm_eps)
-    return x + mlp(h, w, mlp_chunk)
+    wn = w["post_attention_layernorm.weight"]
+    if lean and not (mlp_chunk and b * s > mlp_chunk):
+        return x + _NormSwiGLU.apply(x, wn, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"],
+                                     w["mlp.down_proj.weight"], eps)
+    return x + mlp(rms_norm(x, wn, eps), w, mlp_chunk)
 
 
 def head_loss_sum(w_head: dict, w_embed: dict | None, x: torch.Tensor, targets: torch.Tensor,

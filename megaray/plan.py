@@ -3,7 +3,8 @@ is allocated.
 
 ``plan(cfg)`` counts, from the config alone:
 - host shared memory (``cluster.shm_dir``): masters (``optim.master_dtype``), the
-  compute-dtype copy (none when it is the master's dtype), the gradient ring (``optim.grad_ring_slabs`` slabs of
+  compute-dtype copy (none when it is the master's dtype, or when the worker casts on the
+  device: ``optim.compute_copy``), the gradient ring (``optim.grad_ring_slabs`` slabs of
   ``optim.grad_slab_mib``), control words, all page-aligned as ``megaray.buffers`` lays
   them out; plus Ray's object store, which lives in /dev/shm too;
 - host private memory: Adam moments (8 bytes a parameter in fp32, 4 in bf16:
@@ -17,7 +18,7 @@ is allocated.
   of a step (less those offloaded to pinned host memory: ``worker.offload_inputs``), the
   kept blocks' internals and weights (``megaray.memory``) and the gradients; the
   recomputation workspace of one micro-batch (one MLP chunk's for long sequences), the loss
-  chunk's logits, and the CUDA context.
+  chunk's logits, the fp32 staging slab of the on-device cast, and the CUDA context.
 
 Host bytes per parameter counts the training state: everything in shared memory (Ray's
 object store included) and the moments; not the per-process allowance.
@@ -115,9 +116,11 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
     h = Handles.for_config(cfg, "plan", 0, units)
     p = Plan(params=m.num_params())
     o = cfg.optim
-    p.shm = {f"{_SHORT[o.master_dtype]} master weights": h.master_bytes, f"{t.compute_dtype} compute copy": h.compute_bytes,
-             f"gradient ring ({h.ring_slabs} x {h.slab_bytes / 2**20:g} MiB)": h.ring_bytes,
-             "control words": h.control_bytes}
+    p.shm = {f"{_SHORT[o.master_dtype]} master weights": h.master_bytes}
+    if not h.aliased:
+        p.shm[f"{t.compute_dtype} compute copy"] = h.compute_bytes
+    p.shm.update({f"gradient ring ({h.ring_slabs} x {h.slab_bytes / 2**20:g} MiB)": h.ring_bytes,
+                  "control words": h.control_bytes})
     if cfg.cluster.address is None:
         p.shm["ray object store"] = cfg.cluster.object_store_mb * 2**20
     p.host_private = {f"adam moments ({_SHORT[o.moment_dtype]})": 2 * DTYPES[o.moment_dtype].itemsize * p.params,
@@ -162,11 +165,16 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
         "saved block inputs (at the peak)": n_inputs * one_input,
         "gradient of the step's activations": one_input,
         "fp32 gradients (at the peak)": grads_ends + 4 * block_numel * (L - j),
-        "recomputation workspace (1 micro-batch)": per_block_internal * micro_tokens + mlp_chunk,
+        # a recomputed block's internals, and its MLP backward's rebuilt silu(gate), the
+        # product's gradient and the gate's and up's gradients
+        "recomputation workspace (1 micro-batch)": per_block_internal * micro_tokens + (
+            mlp_chunk or 3 * s * m.intermediate_size * micro_tokens),
         "loss chunk logits (fp32, with grad)": 2 * 4 * chunk * m.vocab_size,
         "kept blocks (internals + weights, at the peak)": n_kept * kept_one,
         "CUDA context and allocator slack": CUDA_CONTEXT_BYTES,
     }
+    if h.cast_on_device:
+        p.gpu["fp32 staging of the on-device cast"] = h.slab_bytes
     return p
 
 
@@ -181,24 +189,27 @@ def offload_needed(cfg: RunConfig, gpu_bytes: int) -> int:
 
 
 def savings(cfg: RunConfig) -> list[tuple[str, int, float]]:
-    """What each reduced-precision option not yet on would save: (override, host bytes
-    saved, host bytes per parameter with it)."""
+    """What each memory-saving option not yet on would save: (override, host bytes saved,
+    host bytes per parameter with it)."""
     import dataclasses
 
     base = plan(cfg)
+
+    def alt(name: str, **changes) -> tuple[str, int, float]:
+        q = plan(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **changes)))
+        return name, base.host_total - q.host_total, q.host_bytes_per_param
+
     out = []
     for key, value in (("moment_dtype", "bfloat16"), ("master_dtype", "bfloat16")):
         if getattr(cfg.optim, key) == value:
             continue
-        changes = {key: value}
         if key == "master_dtype" and cfg.train.compute_dtype != "bfloat16":
             continue            # a bf16 master needs bf16 compute
-        alt = plan(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **changes)))
-        out.append((f"optim.{key}={value}", base.host_total - alt.host_total, alt.host_bytes_per_param))
+        out.append(alt(f"optim.{key}={value}", **{key: value}))
     if len(out) == 2:
-        both = plan(dataclasses.replace(cfg, optim=dataclasses.replace(
-            cfg.optim, moment_dtype="bfloat16", master_dtype="bfloat16")))
-        out.append(("both", base.host_total - both.host_total, both.host_bytes_per_param))
+        out.append(alt("both", moment_dtype="bfloat16", master_dtype="bfloat16"))
+    if cfg.host_compute_copy:
+        out.append(alt("optim.compute_copy=device", compute_copy="device"))
     return out
 
 

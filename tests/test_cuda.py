@@ -58,3 +58,14 @@ def test_offloaded_inputs_and_chunked_mlp_on_the_gpu(gpu_ray):
     for k in cpu_w:
         err = np.linalg.norm(gpu_w[k] - cpu_w[k]) / np.linalg.norm(cpu_w[k])
         assert err < 1e-5, (k, err)
+
+
+def test_cast_on_the_device_equals_the_host_copy_on_the_gpu(gpu_ray):
+    """bf16 weights cast by the optimizer shards on the host, or streamed as fp32 (in
+    staging slabs smaller than a unit here) and cast on the GPU: both round to nearest, so
+    the losses and the final master weights are the same bit for bit."""
+    host_l, host_w = _train("cuda", "bfloat16", extra=("optim.compute_copy=host",))
+    dev_l, dev_w = _train("cuda", "bfloat16", extra=("optim.compute_copy=device",))
+    assert host_l == dev_l
+    for k in host_w:
+        np.testing.assert_array_equal(dev_w[k], host_w[k], err_msg=k)

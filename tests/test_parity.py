@@ -112,3 +112,43 @@ def test_training_matches_reference(ray_cluster, overrides, keep, optim):
     # Adam turns rounding-level gradients into lr-sized steps; no element may be off by
     # more than a small fraction of one step.
     assert elem_err < 0.05 * LR
+
+
+def test_cast_on_the_device_equals_the_host_copy(ray_cluster):
+    """bf16 compute with the compute copy made by the optimizer shards in shared memory, and
+    with none (``optim.compute_copy=device``: the worker streams the fp32 master and casts
+    it itself): both casts round to nearest, so the runs are the same bit for bit. The
+    second run's store holds no compute-copy file."""
+    from conftest import shm_files
+
+    rng = np.random.default_rng(2)
+    batches = [rng.integers(0, 256, (3, 2, 17)) for _ in range(3)]
+    out = {}
+    for where in ("host", "device"):
+        cfg = build_config({"model": {"shape": "debug"},
+                            "train": {"steps": 3, "grad_accum": 3, "micro_batch_size": 2, "seq_len": 16,
+                                      "compute_dtype": "bfloat16"},
+                            "optim": {"compute_copy": where, "grad_slab_mib": 4096 * 4 / 2**20, "num_shards": 2},
+                            "worker": {"device": "cpu"}, "cluster": {"num_cpus": 6}})
+        assert cfg.host_compute_copy == (where == "host")
+        with TrainingSession(cfg) as s:
+            files = shm_files(s.handles.run_id)
+            assert any(f.endswith("_compute") for f in files) == (where == "host"), files
+            losses = [s.train_step(i, b)["loss"] for i, b in enumerate(batches)]
+            out[where] = (losses, s.state_dict())
+    assert out["host"][0] == out["device"][0]
+    for k, v in out["host"][1].items():
+        np.testing.assert_array_equal(out["device"][1][k], v, err_msg=k)
+
+
+def test_compute_copy_auto_by_tokens_per_worker():
+    def cfg(tokens, count=1, placement="local", dtype="bfloat16"):
+        return build_config({"train": {"micro_batch_size": 1, "seq_len": 1024, "grad_accum": tokens // 1024,
+                                        "compute_dtype": dtype},
+                             "worker": {"count": count, "placement": placement}})
+    assert cfg(32768).host_compute_copy is False        # 32k tokens a worker or more: cast on the device
+    assert cfg(16384).host_compute_copy is True
+    assert cfg(65536).host_compute_copy is False
+    assert cfg(65536, count=4).host_compute_copy is True          # 16k tokens each
+    assert cfg(65536, placement="remote").host_compute_copy is True
+    assert cfg(65536, dtype="float32").host_compute_copy is False  # the master is the compute copy

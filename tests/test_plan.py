@@ -21,7 +21,7 @@ def test_debug_plan_by_hand():
     # slabs of 16 KiB = 4096 fp32; pieces: embed 8192 -> 2; block: 9216 matrix elements -> 3,
     # 64 norm scales -> 1; head (tied: the final norm only) -> 1; 2 + 2 x 4 + 1 = 11 pieces
     assert p.shm["gradient ring (3 x 0.015625 MiB)"] == 3 * 16384
-    assert p.shm["float32 compute copy"] == 0                     # fp32 compute reads the master
+    assert "float32 compute copy" not in p.shm                   # fp32 compute reads the master
     assert p.shm["control words"] == 8 * (3 + 11 + 2 * 3)
     assert p.shm["ray object store"] == 100 * 2**20
     assert p.host_private["adam moments (fp32)"] == 8 * 26784
@@ -40,13 +40,20 @@ def test_llama3b_gpu_items_by_hand():
     # the blocks' fp32 gradients at the backward's end (28 x 384.02 MiB)
     assert p.gpu["saved block inputs (at the peak)"] == 2 * 29 * 65536 * 3072
     assert p.gpu["loss chunk logits (fp32, with grad)"] == 2 * 4 * 4096 * 128256
-    assert p.shm["bfloat16 compute copy"] >= 2 * cfg.model.num_params()
-    # 4 master + 2 bf16 copy + 8 moments, plus the ring (8 slabs of 64 MiB), the object store
-    # (256 MiB) and page alignment
+    # 64k tokens a step: the worker casts on the device (optim.compute_copy auto), no bf16 copy
+    assert "bfloat16 compute copy" not in p.shm
+    assert p.gpu["fp32 staging of the on-device cast"] == 64 * 2**20
+    # 4 master + 8 moments, plus the ring (8 slabs of 64 MiB), the object store (256 MiB) and
+    # page alignment; with the copy on the host 2 bytes more
     ring_and_store = 8 * 64 * 2**20 + 256 * 2**20
     assert p.shm["gradient ring (8 x 64 MiB)"] == 8 * 64 * 2**20
-    assert p.host_bytes_per_param == pytest.approx(14 + ring_and_store / cfg.model.num_params(), abs=1e-3)
-    assert p.host_bytes_per_param < 14.5
+    assert p.host_bytes_per_param == pytest.approx(12 + ring_and_store / cfg.model.num_params(), abs=1e-3)
+    host = plan(load_config("debug", ["model.shape=llama3b", "train.seq_len=2048", "train.micro_batch_size=4",
+                                      "train.grad_accum=8", "train.compute_dtype=bfloat16", "optim.num_shards=4",
+                                      "optim.compute_copy=host"]))
+    assert host.shm["bfloat16 compute copy"] >= 2 * cfg.model.num_params()
+    assert host.host_bytes_per_param == pytest.approx(14 + ring_and_store / cfg.model.num_params(), abs=1e-3)
+    assert host.host_bytes_per_param < 14.5
     assert p.gpu["fp32 gradients (at the peak)"] == 4 * (128256 * 3072 + 3072)
     # a 4x longer micro-batch through 2 of 4 blocks' inputs offloaded: the peak moves to
     # where the blocks' gradients outweigh what is left of the inputs
@@ -65,10 +72,10 @@ def test_llama3b_gpu_items_by_hand():
     assert plan(long).gpu["saved block inputs (at the peak)"] == 5 * big
     assert plan(long, offload=2).gpu["saved block inputs (at the peak)"] == 3 * big
     assert plan(long).gpu["recomputation workspace (1 micro-batch)"] == (
-        131072 * (106600 - 4 * 2 * 8192) + 32768 * 3 * 2 * 8192)         # the MLP in 32k-token chunks
+        131072 * (55400 - 2 * 2 * 8192 + 2 * 3072) + 32768 * 3 * 2 * 8192)   # the MLP in 32k-token chunks
     kept = plan(cfg, keep=20)            # kept blocks are freed as the backward walks them
     assert kept.gpu["kept blocks (internals + weights, at the peak)"] == 20 * (
-        106600 * 65536 + 2 * block)
+        55400 * 65536 + 2 * block)
 
 
 def test_reduced_precision_options_by_hand():
@@ -81,9 +88,14 @@ def test_reduced_precision_options_by_hand():
     assert by["optim.moment_dtype=bfloat16"] == pytest.approx(10 + ring_and_store, abs=1e-3)
     assert by["optim.master_dtype=bfloat16"] == pytest.approx(10 + ring_and_store, abs=1e-3)
     assert by["both"] == pytest.approx(6 + ring_and_store, abs=1e-3)
+    # 16k tokens a step: auto keeps the bf16 copy on the host; casting on the device drops it
+    assert by["optim.compute_copy=device"] == pytest.approx(12 + ring_and_store, abs=1e-3)
+    dev = plan(load_config("debug", base + ["optim.compute_copy=device"]))
+    assert "bfloat16 compute copy" not in dev.shm
+    assert dev.gpu["fp32 staging of the on-device cast"] == 64 * 2**20
     both = plan(load_config("debug", base + ["optim.moment_dtype=bfloat16", "optim.master_dtype=bfloat16"]))
     assert both.host_private["adam moments (bf16)"] == 4 * n
-    assert both.shm["bf16 master weights"] >= 2 * n and both.shm["bfloat16 compute copy"] == 0
+    assert both.shm["bf16 master weights"] >= 2 * n and "bfloat16 compute copy" not in both.shm
     assert savings(load_config("debug", base + ["optim.moment_dtype=bfloat16", "optim.master_dtype=bfloat16"])) == []
     with pytest.raises(ConfigError, match="optim.master_dtype"):            # a bf16 master needs bf16 compute
         load_config("debug", ["optim.master_dtype=bfloat16"])

@@ -29,10 +29,10 @@ def cluster():
     c.shutdown()
 
 
-def _run(placement: str, workers: int = 1):
+def _run(placement: str, workers: int = 1, extra: tuple = ()):
     cfg = load_config("debug", [f"worker.placement={placement}", f"worker.count={workers}", "worker.device=cpu",
                                 "train.grad_accum=2", "optim.num_shards=1", "optim.grad_slab_mib=0.015625",
-                                "cluster.object_store_mb=80"])
+                                "cluster.object_store_mb=80", *extra])
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 256, (2, 2, 33)) for _ in range(3)]
     with TrainingSession(cfg) as s:
@@ -63,6 +63,18 @@ def test_remote_workers_match_a_local_worker(cluster):
             np.testing.assert_allclose(remote_l, local_l, rtol=1e-6)
             for k in local_w:
                 np.testing.assert_allclose(remote_w[k], local_w[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_a_remote_worker_casts_the_fp32_master_itself(cluster):
+    """bf16 compute with no host copy (``optim.compute_copy=device``): the relay ships the
+    fp32 master and the remote worker casts it; the same as a local run whose shards keep
+    the bf16 copy, bit for bit (both round to nearest)."""
+    bf16 = ("train.compute_dtype=bfloat16",)
+    local_l, local_w, _ = _run("local", extra=bf16 + ("optim.compute_copy=host",))
+    remote_l, remote_w, _ = _run("remote", extra=bf16 + ("optim.compute_copy=device",))
+    assert remote_l == local_l
+    for k in local_w:
+        np.testing.assert_array_equal(remote_w[k], local_w[k], err_msg=k)
 
 
 def test_remote_placement_needs_another_node(cluster):

@@ -3,14 +3,14 @@
 The worker keeps every block's *input* for each micro-batch of a step. A block whose
 internals are also kept is not recomputed in backward; the policy keeps the internals of
 the last K blocks (their backward runs first, so they are also freed first), K chosen from
-free device memory when not set in the config. The estimate counts
-what autograd saves in ``megaray.model.block_forward`` (its lean form) per token: one fp32
-scale per norm, the second norm's input (the first's is the block input, held anyway; the
-norms' outputs are rebuilt in backward), q, k and v (kv heads as they are where SDPA takes
-them grouped, else repeated), attention's output (also o_proj's input) and log-sum-exp, and
-the MLP's gate and up projections. When the MLP runs in chunks (``train.mlp_chunk_tokens``)
-it keeps neither, but the second norm's output instead. The H200 figures in BENCHMARKS.md
-compare it with what one kept block measures.
+free device memory when not set in the config. The estimate counts what autograd saves in
+``megaray.model.block_forward`` (its lean form) per token: one fp32 scale per norm, the
+second norm's input (the first's is the block input, held anyway; the norms' outputs are
+rebuilt in backward), q, k and v (kv heads as they are where SDPA takes them grouped, else
+repeated), attention's output (also o_proj's input) and log-sum-exp, and the MLP's gate and
+up projections. When the MLP runs in chunks (``train.mlp_chunk_tokens``) it keeps neither,
+but the second norm's output instead. The H200 figures in BENCHMARKS.md compare it with
+what one kept block measures.
 """
 from __future__ import annotations
 

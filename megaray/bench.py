@@ -187,7 +187,7 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
                       "worker": {k[7:]: v for k, v in med.items() if k.startswith("worker/") and k.endswith("_s")},
                       "gpu_peak_gib": gpu_peak / 2**30}
     if baseline:
-        if cfg.worker.device == "cuda":
+        if cfg.worker.device == "cuda":     # fp32 weights, gradients, two moments, and some activations
             _await_gpu_memory(cfg.model.num_params() * 20)
         try:
             b = run_baseline(cfg, state, batches, "cuda" if cfg.worker.device == "cuda" else "cpu")

@@ -197,6 +197,8 @@ class RunBuffers:
         return self.files["master"].view(DTYPES[self.h.master_dtype], self.h.master_offsets[u], self.h.units[u].numel)
 
     def compute(self, u: int) -> torch.Tensor:
+        """What the worker streams for unit u: the compute copy, or the master itself when
+        there is none (``Handles.cast_on_device``: then in the master's dtype)."""
         if self.h.aliased:
             return self.master(u)
         return self.files["compute"].view(DTYPES[self.h.compute_dtype], self.h.compute_offsets[u],

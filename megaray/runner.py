@@ -328,8 +328,14 @@ def train(cfg: RunConfig, run_id: str | None = None, on_step=None) -> dict:
         R = feed.rows_per_step
         position = trainer.get("data_position", step * R)
         first_step = step
-        log.info("model: %.2fM parameters, %d tokens per step, steps %d..%d",
-                 cfg.model.num_params() / 1e6, cfg.train.tokens_per_step, step, cfg.train.steps)
+        weights = "read from the master"
+        if cfg.host_compute_copy:
+            weights = "from a copy in host memory (optim.compute_copy)"
+        elif cfg.train.compute_dtype != cfg.optim.master_dtype:
+            weights = "cast from the master on the device (optim.compute_copy)"
+        log.info("model: %.2fM parameters, %d tokens per step, steps %d..%d; %s weights %s",
+                 cfg.model.num_params() / 1e6, cfg.train.tokens_per_step, step, cfg.train.steps,
+                 cfg.train.compute_dtype, weights)
         progress = Progress(cfg.train.steps, start=step)
         losses, restarts, data_t = [], 0, [0.0, 0.0, 0.0]     # data wait, data build, step time
         consecutive = trainer.get("consecutive_skipped", 0)

@@ -215,7 +215,7 @@ class GpuWorker:
                 parts = [(None, 0, src.numel())]
             else:
                 src, waited = self.buf.compute(u), 0.0
-                parts = [(p.index, p.start, p.stop) for p in map(self.h.pieces.__getitem__, self.h.unit_pieces(u))]
+                parts = [(i, self.h.pieces[i].start, self.h.pieces[i].stop) for i in self.h.unit_pieces(u)]
             timer.add("copy_in_bytes", src.numel() * src.element_size())
             ev = None
             if self.cuda and free_ev is not None:

@@ -14,7 +14,7 @@ TAG_KEYS = ("run", "actor")
 STEP_GAUGES = {
     "step_time_seconds": "Wall time of the last training step",
     "tokens_per_second": "Training tokens per second over the last step",
-    "tflops": "Model TFLOP/s of the last step (DESIGN.md formula)",
+    "tflops": "Model TFLOP/s of the last step (ARCHITECTURE.md formula)",
     "loss": "Training loss of the last step",
     "grad_norm": "Global gradient norm of the last step, before clipping",
     "learning_rate": "Learning rate of the last step",

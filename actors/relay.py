@@ -3,7 +3,7 @@
 A worker on another node cannot map the run's shared memory, so weights and gradients
 cross through Ray's object store instead, one layer unit at a time, and this actor (on the
 store's node, attached to the shared files) keeps the same ordering guarantees a local worker
-keeps through the control words (``megaray.buffers``):
+keeps, through the same protocol (``megaray.protocol``):
 
 - ``unit(u, step)`` returns unit u's compute-dtype weights once every piece of it has
   ``version == step`` (never stale, never half-updated);
@@ -35,35 +35,36 @@ class WeightRelay:
         except RunAborted as e:
             raise ActorFailure(self.name, str(e), step, aborted=True) from None
         except Exception as e:
-            self.buf.abort()
+            self.buf.control.abort()
             raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
 
     def unit(self, u: int, step: int) -> torch.Tensor:
         """Unit u's compute weights as of ``step`` steps (a copy: it leaves through the object store)."""
         def get():
-            self.buf.wait(lambda: self.buf.unit_version(u) >= step,
-                          f"optimizer update of {self.h.units[u].name} for step {step}", self.cfg.worker.wait_timeout_s)
+            self.buf.control.wait_versions(self.h.unit_pieces(u), step,
+                                           f"optimizer update of {self.h.units[u].name} for step {step}",
+                                           self.cfg.worker.wait_timeout_s)
             return self.buf.compute(u).clone()
         return self._guard(get, step)
 
     def ship(self, step: int, grads: list) -> dict:
         """Step ``step`` is applied: every piece of ``grads`` (one flat fp32 tensor a unit) into its slab."""
         def put():
-            self.buf.decide(step, True)
+            self.buf.control.decide(step, True)
             waited = 0.0
             for piece in self.h.pieces:
                 src = grads[piece.unit][piece.start:piece.stop]
-                waited += self.buf.put_piece(piece, step, lambda dst, src=src: dst.copy_(src),
-                                             self.cfg.worker.wait_timeout_s)
+                waited += self.buf.ring.put(piece, step, lambda dst, src=src: dst.copy_(src),
+                                            self.cfg.worker.wait_timeout_s)
             return {"wait_slab_s": waited, "copy_out_bytes": 4 * sum(p.numel for p in self.h.pieces)}
         return self._guard(put, step)
 
     def decide(self, step: int, apply: bool) -> None:
-        self.buf.decide(step, apply)
+        self.buf.control.decide(step, apply)
 
     def version(self) -> int:
         """The step every unit's weights are at, at least."""
-        return min(self.buf.unit_version(u.index) for u in self.h.units)
+        return min(self.buf.control.versions(self.h.unit_pieces(u.index)) for u in self.h.units)
 
     def abort(self) -> None:
-        self.buf.abort()
+        self.buf.control.abort()

@@ -5,7 +5,7 @@ each worker (with several data-parallel workers, each gets an even, contiguous s
 step's micro-batches and the whole step's token count) plus one ``apply`` call to each
 optimizer shard, all issued at the step's start;
 the worker and the shards then order themselves through the shared control words
-(``megaray.buffers``).
+(``megaray.protocol``).
 
 Per step, the scheduler moves through explicit states (``Phase``):
 IDLE -> COMPUTE (the worker runs the step's forward and backward; the shards finish the
@@ -58,6 +58,7 @@ class Scheduler:
         self.shards: list = []
         self.shard_names: list[str] = []
         self._pending: list[tuple[str, ray.ObjectRef]] = []   # the previous step's apply calls
+        self._current: list[tuple[str, ray.ObjectRef]] = []   # the calls of the step (or evaluation) running
         self.counters = {"steps": 0, "tokens": 0, "skipped_steps": 0}
         self.metrics = RunMetrics(handles.run_id, "scheduler", STEP_GAUGES, {
             "steps_total": "Training steps completed", "tokens_total": "Training tokens processed",
@@ -101,7 +102,7 @@ class Scheduler:
 
     def _fail(self) -> None:
         self.phase = Phase.FAILED
-        self.buf.abort()
+        self.buf.control.abort()
 
     async def _collect(self, calls) -> list:
         out = []
@@ -127,6 +128,7 @@ class Scheduler:
             ref = self.worker.run_step.remote(step, shares[0], total)
             others = [(f"worker-{r}", w.run_step.remote(step, shares[r], total))
                       for r, w in enumerate(self.workers[1:], 1)]
+        self._current = [("worker", ref)] + others + applies
         res = await self._await_all(("worker", ref), lambda: prev + applies + others)
         await self._collect(others)
         # The previous step's updates have all finished (the worker waited for their
@@ -171,6 +173,7 @@ class Scheduler:
 
     async def evaluate(self, step: int, tokens) -> float:
         ref = self.worker.evaluate.remote(step, tokens)
+        self._current = [("worker", ref)]
         res = await self._await_all(("worker", ref), lambda: self._pending)
         return res["loss_sum"] / max(res["tokens"], 1)
 
@@ -181,6 +184,14 @@ class Scheduler:
             await self._await_all((label, r), lambda: pending)
         await self._collect(pending)
         self.phase = Phase.IDLE
+
+    async def settle(self, timeout_s: float = 20.0) -> None:
+        """Wait (at most ``timeout_s``) for every call this scheduler issued to end, however it
+        ends: the session calls it after aborting the run, so no call is still running when its
+        actor is killed (a clean run then shows no failed tasks)."""
+        refs = [r for _, r in self._pending + self._current]
+        if refs:
+            await asyncio.wait([asyncio.wrap_future(r.future()) for r in refs], timeout=timeout_s)
 
     def state(self) -> dict:
         return {"phase": self.phase.value, **self.counters}

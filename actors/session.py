@@ -1,21 +1,30 @@
-"""TrainingSession: starts a run's actors, steps them, and always tears them down.
+"""TrainingSession: starts every actor of a run, drives it, and always tears it down.
 
-The session runs in the driver (``megaray train``, a ``ray job submit`` entrypoint, or a
-test). It removes shared-memory files of dead runs, reserves one placement group so the
-actors that share memory land on one node, creates the actors with readable names
-(``megaray:<run>:optimizer-1``), and on ``close()`` — called however the run ends — aborts
-waits, kills every actor and deletes the run's shared-memory files.
+The session runs in the driver (``megaray train``, a ``ray job submit`` entrypoint, a bench
+or a test). ``start()`` removes shared-memory files of dead runs, checks the memory plan,
+reserves one placement group so the actors that share memory land on one node, and spawns
+every actor of the run with a readable name (``megaray:<run>:optimizer-1``): the store, the
+scheduler, the workers, the optimizer shards and the data feeder (and, for workers on other
+nodes, the relay). ``close()`` — called however the run ends — lets the run's calls end,
+aborts waits, kills every actor, removes the placement group and deletes the run's
+shared-memory files.
 
 With ``worker.count`` > 1 it starts that many workers (``worker``, ``worker-1``, ...) and
 joins them in one process group; with ``worker.placement=remote`` the placement group holds
-only the store, scheduler, shards and the relay, and each worker is pinned to another node
-(round robin over the nodes with room for one).
+only the store, scheduler, shards, feeder and the relay, and each worker is pinned to another
+node (round robin over the nodes with room for one).
+
+Data: batches are addressed by stream position (rows consumed so far), which checkpoints
+store; the session asks the feeder for the next ``data.prefetch`` steps' batches ahead of
+the step that trains. The feeder holds nothing but its files, so ``replace_data_actor``
+starts a new one that continues at the same positions.
 """
 from __future__ import annotations
 
 import logging
 import os
 import re
+import time
 import uuid
 
 import numpy as np
@@ -23,17 +32,20 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from megaray.buffers import RunBuffers, assign_pieces
+from megaray.buffers import RunBuffers
 from megaray.config import RunConfig
-from megaray.errors import ActorFailure, MegarayError
+from megaray.errors import ActorFailure, ConfigError, MegarayError
+from megaray.hf.read import verify_source
+from megaray.layout import assign_pieces, build_layout
+from megaray.plan import Machine, check
 from megaray.shm import remove_run, remove_stale
 
-from .calls import get_or_raise  # noqa: F401  (also megaray.actors.session.get_or_raise)
-from .optimizer import OptimizerShard
+from .calls import get_or_raise
+from .data import DataFeeder
+from .debug import shard_class, worker_class
 from .relay import WeightRelay
 from .scheduler import Scheduler
 from .store import ParameterStore
-from .worker import GpuWorker
 
 log = logging.getLogger("megaray")
 NAMESPACE = "megaray"
@@ -64,13 +76,15 @@ class TrainingSession:
         self.pg = None
         self.buf: RunBuffers | None = None
         self.device = None
+        self.rows_per_step = cfg.train.grad_accum * cfg.train.micro_batch_size
+        self._ahead: dict[int, ray.ObjectRef] = {}      # prefetched batches by stream position
 
     def actor_name(self, role: str) -> str:
         return f"megaray:{self.run_id}:{role}"
 
-    def start(self) -> "TrainingSession":
-        cfg = self.cfg
-        stale = remove_stale(cfg.cluster.shm_dir)
+    # ------------------------------------------------------------------ start
+    def start(self) -> TrainingSession:
+        stale = remove_stale(self.cfg.cluster.shm_dir)
         if stale:
             log.info("removed %d shared-memory files of dead runs", len(stale))
         try:
@@ -81,26 +95,70 @@ class TrainingSession:
         return self
 
     def _start(self) -> None:
-        cfg = self.cfg
+        cfg, o = self.cfg, self.cfg.optim
         if cfg.model.from_path:   # headers, names and shapes, before any actor or allocation
-            from megaray.hf import verify_source
-            from megaray.model import build_layout
-
             verify_source(build_layout(cfg.model), cfg.model.from_path)
         self.device = resolve_device(cfg)
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if self.device == "cuda" and gpus < cfg.worker.count:     # never wait for a GPU that is not there
+            raise ConfigError("worker.device", f"cuda: the run needs {cfg.worker.count} GPU(s) and the Ray cluster "
+                                               f"has {gpus:g}; use worker.device=cpu or auto")
         # The memory plan, before anything is allocated (host and /dev/shm here, the GPU
         # through a probe task on a GPU of the cluster).
-        from megaray.plan import Machine, check
-
         gpu_free = ray.get(_gpu_free.remote()) if self.device == "cuda" else None
         self.plan = check(cfg, Machine.here(cfg.cluster.shm_dir, gpu_bytes=gpu_free))
-        o = cfg.optim
-        n_workers = cfg.worker.count
+        self._reserve()
+        store = self._spawn(ParameterStore, "store", cfg, self.run_id, os.getpid())
+        try:
+            self.handles = get_or_raise(store.handles.remote(), self.actor_name("store"))
+        except ActorFailure as e:
+            raise ActorFailure(e.actor, f"failed to start: {e.message}") from None
+        self.weights_report = ray.get(store.report.remote())
+        if cfg.model.from_path:
+            r = self.weights_report
+            log.info("loaded %s: %d tensors, %.2f GB (%s) in %.1f s; store peak RSS %.2f GB for %.2f GB of "
+                     "masters", cfg.model.from_path, r["tensors"], r["source_bytes"] / 1e9,
+                     ",".join(r["source_dtypes"]), r["seconds"], r["peak_rss_bytes"] / 1e9, r["master_bytes"] / 1e9)
+        self.buf = RunBuffers(self.handles, kinds=("control",))
+        sched = self._spawn(Scheduler, "scheduler", cfg, self.handles, self.actor_name("scheduler"))
+        relay = None
+        if cfg.worker.placement == "remote":
+            relay = self._spawn(WeightRelay, "relay", cfg, self.handles, self.actor_name("relay"), max_concurrency=8)
+        workers = self._spawn_workers(relay)
+        shards = []
+        for k, pieces in enumerate(assign_pieces(len(self.handles.pieces), o.num_shards, o.shard_layout)):
+            role = f"optimizer-{k}"
+            shards.append(self._spawn(shard_class(cfg), role, cfg, self.handles, pieces, self.actor_name(role),
+                                      num_cpus=o.threads_per_shard))
+        self._spawn_data()
+        for role, a in self.actors.items():         # constructor errors now, naming the actor
+            try:
+                ray.get(a.__ray_ready__.remote())
+            except ray.exceptions.RayError as e:
+                raise ActorFailure(self.actor_name(role), f"failed to start: {e}") from None
+        if len(workers) > 1:
+            addr, port = ray.get(workers[0].rendezvous.remote())
+            self._call([w.join_group.remote(addr, port) for w in workers], "worker")
+        ray.get(sched.attach.remote(workers, shards, [self.actor_name(f"optimizer-{k}") for k in range(len(shards))]))
+        self.data_description = self._call(self.actors["data"].describe.remote(), "data")
+        kernel = self._call(shards[0].kernel.remote(), "optimizer-0")
+        log.info("run %s: %d layer units in %d gradient pieces, %d optimizer shards (AdamW: %s), a ring of "
+                 "%d x %g MiB gradient slabs, %d worker(s) on %s", self.run_id, self.handles.num_units,
+                 len(self.handles.pieces), len(shards), kernel, self.handles.ring_slabs,
+                 self.handles.slab_bytes / 2**20, len(workers), self.device)
+
+    def _bundle(self) -> dict:
+        cfg, o = self.cfg, self.cfg.optim
         remote = cfg.worker.placement == "remote"
-        cpus = o.num_shards * o.threads_per_shard + (0 if remote else n_workers * cfg.worker.threads)
+        cpus = o.num_shards * o.threads_per_shard + (0 if remote else cfg.worker.count * cfg.worker.threads)
         bundle = {"CPU": max(cpus, 1)}
         if self.device == "cuda" and not remote:
-            bundle["GPU"] = n_workers
+            bundle["GPU"] = cfg.worker.count
+        return bundle
+
+    def _reserve(self) -> None:
+        """One placement group (STRICT_PACK: one node) for every actor that shares memory."""
+        bundle = self._bundle()
         have = ray.cluster_resources()
         if any(have.get(k, 0) < v for k, v in bundle.items()):
             raise MegarayError(
@@ -115,70 +173,32 @@ class TrainingSession:
                 f"the Ray cluster cannot place the run's actors on one node: it needs {bundle} "
                 f"(optim.num_shards x optim.threads_per_shard + worker.threads CPUs); it has "
                 f"{ray.available_resources()}") from None
-        where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0)
 
-        def spawn(cls, role, num_cpus=0, num_gpus=0, **kw):
-            return ray.remote(cls).options(
-                name=self.actor_name(role), namespace=NAMESPACE, num_cpus=num_cpus, num_gpus=num_gpus,
-                scheduling_strategy=where, max_restarts=0, **kw)
+    def _spawn(self, cls, role: str, *args, num_cpus: float = 0, num_gpus: float = 0, node: str | None = None,
+               **kw):
+        """Start one actor of the run, named, in the placement group (or pinned to ``node``)."""
+        where = (NodeAffinitySchedulingStrategy(node, soft=False) if node is not None else
+                 PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0))
+        self.actors[role] = ray.remote(cls).options(
+            name=self.actor_name(role), namespace=NAMESPACE, num_cpus=num_cpus, num_gpus=num_gpus,
+            scheduling_strategy=where, max_restarts=0, **kw).remote(*args)
+        return self.actors[role]
 
-        store = spawn(ParameterStore, "store").remote(cfg, self.run_id, os.getpid())
-        self.actors["store"] = store
-        try:
-            handles = ray.get(store.handles.remote())
-        except ray.exceptions.RayActorError as e:
-            cause = getattr(e, "cause", None)
-            if isinstance(cause, MegarayError):   # e.g. a broken model file: say so plainly
-                raise cause from None
-            raise
-        self.weights_report = ray.get(store.report.remote())
-        if self.cfg.model.from_path:
-            r = self.weights_report
-            log.info("loaded %s: %d tensors, %.2f GB (%s) in %.1f s; store peak RSS %.2f GB for %.2f GB of "
-                     "masters", self.cfg.model.from_path, r["tensors"], r["source_bytes"] / 1e9,
-                     ",".join(r["source_dtypes"]), r["seconds"], r["peak_rss_bytes"] / 1e9, r["master_bytes"] / 1e9)
-        self.handles = handles
-        self.buf = RunBuffers(handles, kinds=("control",))
-        sched = spawn(Scheduler, "scheduler").remote(cfg, handles, self.actor_name("scheduler"))
-        self.actors["scheduler"] = sched
-        relay, nodes = None, []
-        if remote:
-            relay = spawn(WeightRelay, "relay", max_concurrency=8).remote(cfg, handles, self.actor_name("relay"))
-            self.actors["relay"] = relay
-            nodes = self._worker_nodes(n_workers)
+    def _spawn_workers(self, relay) -> list:
+        cfg = self.cfg
+        n = cfg.worker.count
+        nodes = self._worker_nodes(n) if relay is not None else [None] * n
         workers = []
-        for rank in range(n_workers):          # rank 0 is "worker": it decides steps and ships gradients
+        for rank in range(n):          # rank 0 is "worker": it decides steps and ships gradients
             role = "worker" if rank == 0 else f"worker-{rank}"
-            opts = dict(num_cpus=cfg.worker.threads, num_gpus=1 if self.device == "cuda" else 0)
-            if remote:
-                cls = ray.remote(GpuWorker).options(
-                    name=self.actor_name(role), namespace=NAMESPACE, max_restarts=0,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[rank], soft=False), **opts)
-            else:
-                cls = spawn(GpuWorker, role, **opts)
-            workers.append(cls.remote(cfg, handles, self.device, self.actor_name(role), rank, n_workers, relay))
-            self.actors[role] = workers[-1]
-        shards, names = [], []
-        for k, pieces in enumerate(assign_pieces(len(handles.pieces), o.num_shards, o.shard_layout)):
-            name = self.actor_name(f"optimizer-{k}")
-            shard = spawn(OptimizerShard, f"optimizer-{k}", num_cpus=o.threads_per_shard).remote(
-                cfg, handles, pieces, name)
-            self.actors[f"optimizer-{k}"] = shard
-            shards.append(shard)
-            names.append(name)
-        # Surface constructor errors now, naming the actor.
-        for role, a in self.actors.items():
-            try:
-                ray.get(a.__ray_ready__.remote())
-            except ray.exceptions.RayError as e:
-                raise ActorFailure(self.actor_name(role), f"failed to start: {e}") from None
-        if n_workers > 1:
-            addr, port = ray.get(workers[0].rendezvous.remote())
-            self._call([w.join_group.remote(addr, port) for w in workers], "worker")
-        ray.get(sched.attach.remote(workers, shards, names))
-        log.info("run %s: %d layer units in %d gradient pieces, %d optimizer shards, a ring of %d x %g MiB "
-                 "gradient slabs, %d worker(s) on %s", self.run_id, handles.num_units, len(handles.pieces),
-                 len(shards), handles.ring_slabs, handles.slab_bytes / 2**20, n_workers, self.device)
+            workers.append(self._spawn(worker_class(cfg), role, cfg, self.handles, self.device, self.actor_name(role),
+                                       rank, n, relay, num_cpus=cfg.worker.threads,
+                                       num_gpus=1 if self.device == "cuda" else 0, node=nodes[rank]))
+        return workers
+
+    def _spawn_data(self) -> None:
+        self._spawn(DataFeeder, "data", self.cfg)
+        self._ahead.clear()
 
     def _worker_nodes(self, n: int) -> list[str]:
         """Nodes other than the store's with room for a worker each (round robin over them)."""
@@ -190,6 +210,43 @@ class TrainingSession:
             raise MegarayError(f"worker.placement=remote needs a node other than the store's ({store_node[:12]}) "
                                f"with {need}; the cluster has none")
         return [others[r % len(others)] for r in range(n)]
+
+    # ------------------------------------------------------------------ data
+    def batch(self, position: int) -> tuple[dict, float, float]:
+        """The step batch at stream ``position``; also the seconds the driver waited for it
+        and the seconds the feeder took to build it. The next ``data.prefetch`` steps'
+        batches are asked for now."""
+        feeder = self.actors["data"]
+        for k in range(self.cfg.data.prefetch + 1):
+            p = position + k * self.rows_per_step
+            if p not in self._ahead:
+                self._ahead[p] = feeder.step_batch.remote(p)
+        ref = self._ahead.pop(position)
+        for p in [p for p in self._ahead if p < position]:
+            del self._ahead[p]
+        t0 = time.perf_counter()
+        r = self._call(ref, "data")
+        return r["batch"], time.perf_counter() - t0, r["seconds"]
+
+    def heldout(self) -> dict:
+        """The held-out batch (``train.eval_batches`` micro-batches)."""
+        n = max(1, self.cfg.train.eval_batches)
+        return self._call(self.actors["data"].step_batch.remote(0, n, "heldout"), "data")["batch"]
+
+    def data_actor_alive(self) -> bool:
+        try:
+            ray.get(self.actors["data"].describe.remote(), timeout=60)
+            return True
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return False
+
+    def replace_data_actor(self) -> None:
+        """A new feeder in place of a dead one; it continues at the positions asked for."""
+        try:
+            ray.kill(self.actors["data"], no_restart=True)
+        except Exception:
+            pass
+        self._spawn_data()
 
     # ------------------------------------------------------------------ driving
     def _call(self, ref, who: str = "scheduler"):
@@ -249,9 +306,9 @@ class TrainingSession:
             parts.update(p)
         return parts
 
-    def load_parts(self, folder: str, parts: dict, step: int, counters: dict) -> None:
-        refs = [self.actors["store"].load.remote(folder, parts, step)] + \
-            [a.load.remote(folder, parts) for _, a in self._shards()]
+    def load(self, folder: str, counters: dict) -> None:
+        """The store and every shard read their state from a checkpoint, in parallel."""
+        refs = [self.actors["store"].load.remote(folder)] + [a.load.remote(folder) for _, a in self._shards()]
         self._call(refs, "checkpoint")
         ray.get(self.actors["scheduler"].set_counters.remote(counters))
 
@@ -260,12 +317,19 @@ class TrainingSession:
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Abort waits, kill every actor, free the placement group and the shared memory."""
+        """Let the run's calls end, abort waits, kill every actor, free the placement group
+        and the shared memory."""
         if self.buf is not None:
             try:
-                self.buf.abort()
+                self.buf.control.abort()
             except Exception:  # the control file may already be gone
                 pass
+        if "scheduler" in self.actors:      # its pending calls end (aborted) before their actors go
+            try:
+                ray.get(self.actors["scheduler"].settle.remote(), timeout=30)
+            except Exception:
+                pass
+        self._ahead.clear()
         for a in self.actors.values():
             try:
                 ray.kill(a, no_restart=True)
@@ -281,7 +345,7 @@ class TrainingSession:
         self.buf = None
         remove_run(self.cfg.cluster.shm_dir, self.run_id)
 
-    def __enter__(self) -> "TrainingSession":
+    def __enter__(self) -> TrainingSession:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -1,24 +1,26 @@
 """ParameterStore actor: owns a run's shared-memory files and initializes the weights.
 
 It creates the master, compute-copy, gradient-ring and control files, fills the master weights
-from a Hugging Face directory (``model.from``) or deterministically from the seed (each unit from its own generator, so the result does not
-depend on sharding), casts the compute copy, and publishes ``Handles``. It is the only
-writer of weights outside the optimizer shards, and only before training starts.
+from a Hugging Face directory (``model.from``) or deterministically from the seed (each unit
+from its own generator, so the result does not depend on sharding), casts the compute copy,
+and publishes ``Handles``. It is the only writer of weights outside the optimizer shards, and
+only before training starts (or when a checkpoint is loaded, between steps).
 """
 from __future__ import annotations
-
-import torch
 
 import resource
 import time
 from pathlib import Path
 
+import torch
+
 from megaray.buffers import Handles, RunBuffers
-from megaray.checkpoint import read_into, write_bytes
-from megaray.errors import CheckpointError
-from megaray.hf import load_into
+from megaray.checkpoint import Checkpoint, PartWriter
 from megaray.config import RunConfig
-from megaray.model import build_layout, init_unit
+from megaray.errors import CheckpointError
+from megaray.hf.read import load_into
+from megaray.layout import build_layout
+from megaray.model import init_unit
 from megaray.shm import remove_run
 
 
@@ -37,8 +39,7 @@ class ParameterStore:
             for u in units:
                 self.buf.master(u.index).copy_(init_unit(u, cfg.model, cfg.run.seed))
             self.load_report = {"initialized_from_seed": cfg.run.seed}
-        for u in units:
-            self._sync_compute(u.index)
+        self._sync_compute()
         self.load_report.update(seconds=time.perf_counter() - t0,
                                 peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                                 master_bytes=self.h.master_bytes)
@@ -47,33 +48,36 @@ class ParameterStore:
         """How the weights were created: source, seconds, this process's peak RSS."""
         return self.load_report
 
-    def _sync_compute(self, u: int) -> None:
+    def _sync_compute(self) -> None:
         if not self.h.aliased:
-            self.buf.compute(u).copy_(self.buf.master(u))
+            for u in self.h.units:
+                self.buf.compute(u.index).copy_(self.buf.master(u.index))
 
     def handles(self) -> Handles:
         return self.h
 
     def save(self, folder: str) -> dict:
-        """Write the master weights of every unit as ``master.bin``; returns its part entry
-        (which names the master's dtype)."""
-        data = memoryview(self.buf.files["master"].bytes.numpy())[: self.h.master_bytes]
-        return {"master.bin": {**write_bytes(Path(folder) / "master.bin", data), "dtype": self.h.master_dtype}}
+        """Write every unit's master weights, unit after unit, as ``master.bin``."""
+        w = PartWriter(Path(folder) / "master.bin")
+        try:
+            entries = [[u.index, 0, u.numel, w.write(self.buf.master(u.index))] for u in self.h.units]
+            return {"master.bin": {**w.finish(), "master": entries}}
+        except BaseException:
+            w.abort()
+            raise
 
-    def load(self, folder: str, parts: dict, step: int) -> None:
-        """Read ``master.bin`` (verifying its checksum), refresh the compute copy, and mark
-        every piece as updated through ``step`` steps so the worker may read it for ``step``."""
-        if "master.bin" not in parts:
-            raise CheckpointError(f"{folder}: the manifest lists no master.bin")
-        dtype = parts["master.bin"].get("dtype", "float32")
-        if dtype != self.h.master_dtype:
-            raise CheckpointError(f"{folder}: master.bin holds {dtype} weights, this run keeps {self.h.master_dtype} "
-                                  "(optim.master_dtype must match the checkpoint's)")
-        out = memoryview(self.buf.files["master"].bytes.numpy())[: self.h.master_bytes]
-        read_into(Path(folder) / "master.bin", out, parts["master.bin"])
+    def load(self, folder: str) -> None:
+        """Read every unit's master weights (verifying each block), refresh the compute copy,
+        and mark every piece as updated through the checkpoint's step."""
+        ck = Checkpoint(folder)
+        stored = ck.manifest.get("master_dtype")
+        if stored != self.h.master_dtype:
+            raise CheckpointError(f"{folder}: the checkpoint holds {stored} master weights, this run keeps "
+                                  f"{self.h.master_dtype} (optim.master_dtype must match the checkpoint's)")
         for u in self.h.units:
-            self._sync_compute(u.index)
-        self.buf.reset(step)
+            ck.read_range("master", u.index, 0, u.numel, [self.buf.master(u.index)])
+        self._sync_compute()
+        self.buf.control.reset(ck.step)
 
     def ping(self) -> bool:
         return True

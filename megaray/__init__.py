@@ -1,22 +1,16 @@
 """megaray: full-precision LLM training on one GPU, layers streamed from host memory.
 
-The core library (this package) holds the model templates, configs, schedules and
-shared-memory plumbing; it imports neither Ray actors nor CUDA streams. The Ray actors
-live in ``megaray.actors`` and the job entrypoints in ``megaray.pipelines``; in the source
-tree those are the top-level ``actors/`` and ``pipelines/`` folders, mapped by
-pyproject.toml when installed.
+The installed package has four parts, each a folder of the repository:
+- ``megaray`` (``megaray/``): the core library: configs, layout, model templates, the memory
+  model and plan, the shared-memory protocol, the AdamW kernel, data, checkpoints, and the
+  driver's loop. The model code imports neither Ray nor CUDA streams.
+- ``megaray.actors`` (``actors/``): the Ray actors and the session that starts them.
+- ``megaray.pipelines`` (``pipelines/``): the entrypoints of ``megaray`` and ``ray job submit``.
+- ``megaray.configs`` (``configs/``): the shipped YAML configs.
+
+pyproject.toml maps the folders to these names, so megaray is used installed
+(``pip install .``, or ``pip install -e .`` to work on it); ARCHITECTURE.md has the design.
 """
 from __future__ import annotations
 
-import os as _os
-
-__version__ = "0.1.0"
-
-# In a source checkout (PYTHONPATH=repo root, as on the GPU machine) make the top-level
-# actors/, pipelines/ and configs/ folders importable as megaray.actors etc., exactly as
-# the installed distribution maps them.
-_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(
-    _os.path.join(_root, "actors", "__init__.py")
-):
-    __path__.append(_root)  # type: ignore[name-defined]  # noqa: F821
+__version__ = "0.2.0"

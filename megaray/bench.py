@@ -3,13 +3,15 @@
 The baseline is an ordinary nn.Module holding every weight on the device, trained with bf16
 autocast and fused AdamW, the same tokens per step through gradient accumulation. Both start
 from the same initial weights (the baseline loads megaray's) and see the same random tokens,
-so their first losses must agree within bf16 tolerance. TFLOP/s is DESIGN.md's formula.
+so their first losses must agree within bf16 tolerance. TFLOP/s is ARCHITECTURE.md's formula.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import shutil
 import statistics
 import time
 
@@ -18,8 +20,14 @@ import ray
 import torch
 import torch.nn as nn
 
-from megaray.config import RunConfig, build_config
-from megaray.model import block_forward, build_layout, embed_forward, flops_per_step, rope_tables
+from megaray.actors.metrics import host_memory_used_bytes
+from megaray.actors.session import TrainingSession
+from megaray.checkpoint import Checkpointer
+from megaray.config import RunConfig
+from megaray.layout import build_layout, short_name
+from megaray.loader import build_config
+from megaray.model import block_forward, embed_forward, flops_per_step, rms_norm, rope_tables
+from megaray.plan import plan
 
 
 class BaselineLlama(nn.Module):
@@ -34,8 +42,6 @@ class BaselineLlama(nn.Module):
         self.rope = rope_tables(cfg, cfg.max_position_embeddings, device)
 
     def _w(self, unit) -> dict:
-        from megaray.model import short_name
-
         return {short_name(s.name): self.params[s.name.replace(".", "__")] for s in unit.params}
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -43,8 +49,6 @@ class BaselineLlama(nn.Module):
         for u in self.units[1:-1]:
             x = block_forward(self._w(u), x, self.rope, self.cfg, lean=False)   # plain autograd
         wh = self._w(self.units[-1])
-        from megaray.model import rms_norm
-
         h = rms_norm(x, wh["model.norm.weight"], self.cfg.rms_norm_eps)
         out = self.params["model__embed_tokens__weight"] if self.cfg.tie_word_embeddings else wh["lm_head.weight"]
         logits = (h @ out.t()).float()
@@ -139,9 +143,6 @@ def breakdown(m: dict) -> dict:
 def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = None, seed: int = 0) -> dict:
     """Train ``cfg.train.steps`` steps of random tokens with megaray, then the same batches
     with the GPU-resident baseline from megaray's initial weights."""
-    from megaray.actors.session import TrainingSession
-    from megaray.plan import plan
-
     t, steps = cfg.train, cfg.train.steps
     tokens_per_step = t.tokens_per_step
     rng = np.random.default_rng(seed)
@@ -152,8 +153,6 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
                  "host_bytes_per_param": plan(cfg).host_bytes_per_param,
                  "tokens_per_step": tokens_per_step, "micro_batch": t.micro_batch_size, "grad_accum": t.grad_accum,
                  "shards": cfg.optim.num_shards, "threads_per_shard": cfg.optim.threads_per_shard}
-    from megaray.actors.metrics import host_memory_used_bytes
-
     ms = []
     host_before = host_memory_used_bytes()
     with TrainingSession(cfg) as s:
@@ -228,12 +227,8 @@ def optimizer_scaling(cfg: RunConfig, counts: list[int], cores: int | None = Non
 
 def _time_checkpoint(cfg: RunConfig, session, step: int, folder: str) -> dict:
     """Write one checkpoint of the trained state and load it back, timing both."""
-    import shutil
-
-    from megaray.runner import Checkpointer
-
     ck = Checkpointer(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, dir=folder)),
-                      session.run_id)
+                      session.run_id, logging.getLogger("megaray"))
     t0 = time.perf_counter()
     path = ck.save(session, step, {})
     save_s = time.perf_counter() - t0
@@ -242,6 +237,7 @@ def _time_checkpoint(cfg: RunConfig, session, step: int, folder: str) -> dict:
     ck.load(session, path)
     load_s = time.perf_counter() - t0
     shutil.rmtree(path)
+    ck.close()
     return {"bytes": size, "save_s": save_s, "load_s": load_s,
             "save_gbps": size / save_s / 1e9, "load_gbps": size / load_s / 1e9}
 
@@ -249,7 +245,8 @@ def _time_checkpoint(cfg: RunConfig, session, step: int, folder: str) -> dict:
 def print_table(r: dict) -> None:
     m = r["megaray"]
     print(f"{r['shape']} ({r['params'] / 1e9:.2f}B params) seq {r['seq_len']}, {r['tokens_per_step']} tokens/step "
-          f"({r['grad_accum']} x {r['micro_batch']} x {r['seq_len']}), {r['shards']} shards x {r['threads_per_shard']} threads, "
+          f"({r['grad_accum']} x {r['micro_batch']} x {r['seq_len']}), "
+          f"{r['shards']} shards x {r['threads_per_shard']} threads, "
           f"{r['host_bytes_per_param']:.2f} host bytes/param")
     print(f"  megaray : {m['step_s']:.3f} s/step  {m['tflops']:.1f} TFLOP/s  {m['tokens_per_s']:.0f} tok/s  "
           f"GPU peak {m['gpu_peak_gib']:.1f} GiB")
@@ -264,7 +261,8 @@ def print_table(r: dict) -> None:
           f"{d['idle_optimizer_s']:.3f} + waiting for copy-in/launch {d['idle_copy_in_s']:.3f} + outside the GPU work "
           f"{d['outside_s']:.3f} (GPU idle {100 * d['gpu_idle_fraction']:.1f}%)")
     print("  overlapped (s): " + ", ".join(f"{k[:-2]} {v:.3f}" for k, v in d["overlapped"].items())
-          + (f"; optimizer {m['optimizer_gparams_per_s']:.2f} G params/s summed" if m["optimizer_gparams_per_s"] else ""))
+          + (f"; optimizer {m['optimizer_gparams_per_s']:.2f} G params/s summed"
+             if m["optimizer_gparams_per_s"] else ""))
     la = r.get("link_alone", {})
     if la:
         print(f"  measured alone: copy-in {la['copy_in_gbps']:.1f} GB/s, copy-out {la['copy_out_gbps']:.1f} GB/s")
@@ -275,7 +273,8 @@ def print_table(r: dict) -> None:
               f"loaded in {c['load_s']:.1f} s ({c['load_gbps']:.2f} GB/s)")
     pl = r["planner"]
     print(f"  planner: host {pl['host_predicted_gib']:.1f} GiB predicted, {pl['host_measured_gib']:.1f} GiB measured "
-          f"(system memory in use, less what was in use before and the baseline's copy of the weights); GPU {pl['gpu_predicted_gib']:.1f} GiB predicted "
+          "(system memory in use, less what was in use before and the baseline's copy of the weights); "
+          f"GPU {pl['gpu_predicted_gib']:.1f} GiB predicted "
           f"(keeping {pl['kept_blocks']} blocks), {pl['gpu_measured_gib']:.1f} GiB peak allocated")
     for row in r.get("optimizer_scaling", []):
         print(f"  optimizer {row['shards']} shards x {row['threads_per_shard']} threads: "

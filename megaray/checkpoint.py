@@ -1,24 +1,33 @@
-"""Checkpoint directories: parts written in parallel, a manifest with checksums written last.
+"""Checkpoint directories: parts written in parallel, keyed by parameter position, manifest last.
 
-Layout of one checkpoint (``<checkpoint.dir>/step-00000120/``):
+Layout of one checkpoint (``<checkpoint dir>/step-00000120/``):
 
-    manifest.json     written last: step, parts with byte counts and CRC32s, when, what run
-    master.bin        master weights (fp32, or bf16: optim.master_dtype), every unit, as the
-                      store's shared file holds them
-    optim-<k>.pt      optimizer shard k's AdamW state (moments, step counts) by unit index
-    trainer.json      scheduler counters, the next step (= data position), LR schedule inputs
+    manifest.json   written last: format, step, model, master dtype, and every part with its
+                    size, the CRC32 of each 16 MiB block, and what it holds
+    master.bin      the master weights (fp32, or bf16: optim.master_dtype), unit after unit,
+                    without the shared file's page padding
+    optim-<k>.bin   optimizer shard k's Adam moments: for each range it updates, exp_avg then
+                    exp_avg_sq (optim.moment_dtype), with the range's step count
+    trainer.json    the next step, scheduler counters, data position, schedule inputs
+
+What a part holds is listed by position in the model, never by transport detail: master
+entries are ``[unit, start, stop, byte offset]`` and moment entries
+``[unit, start, stop, adam step, byte offset]`` (elements of the unit's flat layout,
+``megaray.layout``). So a checkpoint resumes with any number of optimizer shards and any
+gradient slab size: each reader gathers the ranges it needs from whichever parts hold them.
 
 A checkpoint is written into ``step-XXXXXXXX.tmp-<pid>`` and renamed into place only after
 its manifest is on disk, so a crash or a full disk at any moment leaves the previous
-checkpoints untouched and no half checkpoint that looks valid. Loading verifies every
-part's size and CRC32 and raises ``CheckpointError`` naming the part; ``latest`` then falls
-back to the previous checkpoint.
+checkpoints untouched and no half checkpoint that looks valid. Reading verifies every byte it
+uses against its block's CRC32 (and every part's size up front) and raises
+``CheckpointError`` naming the part; the driver then falls back to the previous checkpoint.
 
-Data sampling is a pure function of (seed, step) and training draws no other random
-numbers, so "the next step" is the whole data position and random state.
+Data sampling is a pure function of (seed, stream position) and training draws no other
+random numbers the checkpoint does not hold, so trainer.json's position is the whole state.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -26,60 +35,186 @@ import time
 import zlib
 from pathlib import Path
 
-from megaray.errors import CheckpointError
+import torch
 
+from megaray.errors import CheckpointError, ConfigError
+
+FORMAT = 2
 MANIFEST = "manifest.json"
-CHUNK = 64 * 2**20
+BLOCK = 16 * 2**20          # bytes per CRC32 block of a part
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def crc32_file(path: Path) -> tuple[int, int]:
-    crc, n = 0, 0
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(CHUNK)
-            if not b:
-                return crc, n
-            crc = zlib.crc32(b, crc)
-            n += len(b)
+def _bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes (any dtype, bf16 included)."""
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-def write_bytes(path: Path, data: memoryview) -> dict:
-    """Write ``data`` to ``path`` with fsync; returns its {bytes, crc32}."""
-    crc = 0
-    with open(path, "wb") as f:
-        for off in range(0, len(data), CHUNK):
-            chunk = data[off:off + CHUNK]
-            crc = zlib.crc32(chunk, crc)
-            f.write(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"bytes": len(data), "crc32": crc}
+class PartWriter:
+    """Writes one part sequentially, with a CRC32 per BLOCK bytes; ``finish`` fsyncs it."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.f = open(self.path, "wb")
+        self.n = 0
+        self.crcs: list[int] = []
+        self._crc = 0
+
+    def write(self, t: torch.Tensor) -> int:
+        """Append a tensor's bytes; returns their byte offset in the part."""
+        at = self.n
+        data = _bytes(t.contiguous())
+        pos = 0
+        while pos < len(data):
+            room = BLOCK - self.n % BLOCK
+            chunk = data[pos:pos + room]
+            self.f.write(chunk)
+            self._crc = zlib.crc32(chunk, self._crc)
+            self.n += len(chunk)
+            pos += len(chunk)
+            if self.n % BLOCK == 0:
+                self.crcs.append(self._crc)
+                self._crc = 0
+        return at
+
+    def finish(self) -> dict:
+        if self.n % BLOCK:
+            self.crcs.append(self._crc)
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return {"bytes": self.n, "block": BLOCK, "crc32": self.crcs}
+
+    def abort(self) -> None:
+        self.f.close()
 
 
-def read_into(path: Path, out: memoryview, part: dict) -> None:
-    """Read a part into ``out`` and verify its size and checksum."""
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint part {path} is missing")
-    size = path.stat().st_size
-    if size != part["bytes"] or size != len(out):
-        raise CheckpointError(f"checkpoint part {path} holds {size} bytes, expected {part['bytes']}")
-    crc = 0
-    with open(path, "rb") as f:
-        for off in range(0, size, CHUNK):
-            n = f.readinto(out[off:off + CHUNK])
-            crc = zlib.crc32(out[off:off + n], crc)
-    if crc != part["crc32"]:
-        raise CheckpointError(f"checkpoint part {path} is corrupt (CRC32 {crc:#010x}, manifest says "
-                              f"{part['crc32']:#010x})")
+def write_json(path: Path, obj) -> dict:
+    w = PartWriter(path)
+    try:
+        w.write(torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8))
+        return w.finish()
+    except BaseException:
+        w.abort()
+        raise
 
 
-def verify_file(path: Path, part: dict) -> None:
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint part {path} is missing")
-    crc, n = crc32_file(path)
-    if n != part["bytes"] or crc != part["crc32"]:
-        raise CheckpointError(f"checkpoint part {path} is corrupt or truncated ({n} bytes, "
-                              f"expected {part['bytes']})")
+class Checkpoint:
+    """A complete checkpoint opened for reading: the manifest parsed, every part's size
+    checked; ``read`` verifies each block it uses."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        p = self.path / MANIFEST
+        if not p.is_file():
+            raise CheckpointError(f"{self.path} has no {MANIFEST}: not a complete checkpoint")
+        try:
+            m = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{p} is not valid JSON: {e}") from None
+        if not isinstance(m, dict) or m.get("format") != FORMAT:
+            got = m.get("format") if isinstance(m, dict) else None
+            raise CheckpointError(f"{p}: checkpoint format {got!r}, this megaray reads format {FORMAT}")
+        self.manifest = m
+        self.parts: dict = m.get("parts") or {}
+        for name, part in self.parts.items():
+            f = self.path / name
+            if not f.is_file():
+                raise CheckpointError(f"checkpoint part {f} is missing")
+            if f.stat().st_size != part["bytes"]:
+                raise CheckpointError(f"checkpoint part {f} holds {f.stat().st_size} bytes, expected {part['bytes']}")
+        self._scratch = None
+
+    @property
+    def step(self) -> int:
+        return int(self.manifest["step"])
+
+    def read(self, name: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with bytes [offset, offset + len(out)) of part ``name``, verifying
+        the CRC32 of every block they touch."""
+        part = self.parts.get(name)
+        if part is None:
+            raise CheckpointError(f"{self.path}: the manifest lists no part {name}")
+        n, block = len(out), part["block"]
+        if offset < 0 or offset + n > part["bytes"]:
+            raise CheckpointError(f"{self.path / name}: bytes [{offset}, {offset + n}) are outside the part")
+        if self._scratch is None or len(self._scratch) < block:
+            self._scratch = bytearray(block)
+        with open(self.path / name, "rb") as f:
+            b = offset // block
+            while b * block < offset + n:
+                start = b * block
+                size = min(block, part["bytes"] - start)
+                f.seek(start)
+                buf = memoryview(self._scratch)[:size]
+                if f.readinto(buf) != size or zlib.crc32(buf) != part["crc32"][b]:
+                    raise CheckpointError(f"checkpoint part {self.path / name} is corrupt (block {b} at byte "
+                                          f"{start} does not match its CRC32)")
+                lo, hi = max(offset, start), min(offset + n, start + size)
+                out[lo - offset:hi - offset] = buf[lo - start:hi - start]
+                b += 1
+
+    def read_json(self, name: str):
+        part = self.parts.get(name)
+        if part is None:
+            raise CheckpointError(f"{self.path}: the manifest lists no part {name}")
+        buf = bytearray(part["bytes"])
+        self.read(name, 0, memoryview(buf))
+        try:
+            return json.loads(buf.decode())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"checkpoint part {self.path / name} is not valid JSON: {e}") from None
+
+    def entries(self, kind: str) -> list[tuple[str, list]]:
+        """(part name, entry) for every ``kind`` ('master' or 'moments') entry of every part."""
+        return [(name, e) for name, part in self.parts.items() for e in part.get(kind, [])]
+
+    def read_range(self, kind: str, unit: int, start: int, stop: int, outs: list[torch.Tensor]) -> int | None:
+        """Gather elements [start, stop) of ``unit`` into ``outs`` (the master, or exp_avg and
+        exp_avg_sq) from every part entry that overlaps them. Returns the ranges' Adam step
+        (moments), and raises CheckpointError when any element is not covered or the steps
+        of the covering ranges disagree."""
+        dtype = self._dtype(kind)
+        size = torch.empty(0, dtype=dtype).element_size()
+        covered, steps = 0, set()
+        for name, e in self.entries(kind):
+            u, a, b = e[0], e[1], e[2]
+            if u != unit or b <= start or a >= stop:
+                continue
+            lo, hi = max(a, start), min(b, stop)
+            base = e[-1]
+            if kind == "moments":
+                steps.add(int(e[3]))
+            for k, out in enumerate(outs):       # exp_avg, then exp_avg_sq (b - a elements further)
+                at = base + (k * (b - a) + lo - a) * size
+                dst = out[lo - start:hi - start]
+                if dst.dtype == dtype and dst.is_contiguous():
+                    self.read(name, at, _bytes(dst))
+                    continue
+                step = BLOCK // size                # another dtype: through a small buffer
+                for c in range(0, hi - lo, step):
+                    buf = torch.empty(min(step, hi - lo - c), dtype=dtype)
+                    self.read(name, at + c * size, _bytes(buf))
+                    dst[c:c + buf.numel()].copy_(buf)
+            covered += hi - lo
+        if covered != stop - start:
+            raise CheckpointError(f"{self.path}: {kind} of unit {unit} elements [{start}, {stop}) are not all in "
+                                  f"the checkpoint ({covered} of {stop - start} found)")
+        if len(steps) > 1:
+            raise CheckpointError(f"{self.path}: unit {unit} [{start}, {stop}) spans ranges at different Adam steps "
+                                  f"{sorted(steps)}")
+        return steps.pop() if steps else None
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return _DTYPES[self.manifest["master_dtype"]]
+
+    @property
+    def moment_dtype(self) -> torch.dtype:
+        return _DTYPES[self.manifest["moment_dtype"]]
+
+    def _dtype(self, kind: str) -> torch.dtype:
+        return self.master_dtype if kind == "master" else self.moment_dtype
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -92,7 +227,7 @@ def tmp_dir(root: Path, step: int) -> Path:
 
 def commit(tmp: Path, final: Path, step: int, parts: dict, meta: dict) -> Path:
     """Write the manifest last, then make the checkpoint visible by renaming its folder."""
-    manifest = {"format": 1, "step": step, "time": time.time(), "parts": parts, **meta}
+    manifest = {"format": FORMAT, "step": step, "time": time.time(), **meta, "parts": parts}
     p = tmp / MANIFEST
     with open(p, "w") as f:
         json.dump(manifest, f, indent=1)
@@ -107,23 +242,6 @@ def commit(tmp: Path, final: Path, step: int, parts: dict, meta: dict) -> Path:
     finally:
         os.close(fd)
     return final
-
-
-def read_manifest(path: Path) -> dict:
-    p = Path(path) / MANIFEST
-    if not p.is_file():
-        raise CheckpointError(f"{path} has no {MANIFEST}: not a complete checkpoint")
-    try:
-        m = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{p} is not valid JSON: {e}") from None
-    for name, part in m.get("parts", {}).items():
-        f = Path(path) / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint part {f} is missing")
-        if f.stat().st_size != part["bytes"]:
-            raise CheckpointError(f"checkpoint part {f} holds {f.stat().st_size} bytes, expected {part['bytes']}")
-    return m
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -157,3 +275,161 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+# ----------------------------------------------------------------------------- the driver's side
+LINEAGE = "lineage.json"
+LOCK = ".lock"
+_NOT_LINEAGE = ("from_path", "architecture")      # model keys a lineage may change (where weights came from)
+
+
+def lineage_of(cfg) -> dict:
+    """What every checkpoint of one folder must share: the model's shape and the master's dtype."""
+    model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in _NOT_LINEAGE}
+    return {"model": model, "master_dtype": cfg.optim.master_dtype}
+
+
+def checkpoint_folder(cfg, run_id: str) -> Path:
+    """Where this run's checkpoints go: ``checkpoint.dir``; else, when it resumes by name
+    (``resume: auto``), ``<run.dir>/checkpoints/<run.name>``, the lineage of every launch of
+    that name; else a folder of its own, ``<run.dir>/checkpoints/<run id>``."""
+    if cfg.checkpoint.dir:
+        return Path(cfg.checkpoint.dir)
+    base = Path(cfg.run.dir) / "checkpoints"
+    return base / (cfg.run.name if cfg.checkpoint.resume == "auto" else run_id)
+
+
+class Checkpointer:
+    """Writes, finds and loads one run's checkpoints, in one folder that belongs to one lineage.
+
+    Opening takes the folder's lock (another live run in it is refused) and checks its
+    ``lineage.json`` against this run's model (a different model is refused, naming the keys
+    that differ), before any actor starts; pruning only ever touches this folder."""
+
+    def __init__(self, cfg, run_id: str, log):
+        import fcntl
+
+        self.cfg, self.run_id, self.log = cfg, run_id, log
+        self.root = checkpoint_folder(cfg, run_id)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._lock = open(self.root / LOCK, "a+")
+        except OSError as e:
+            raise CheckpointError(f"cannot use the checkpoint folder {self.root}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.seek(0)
+            other = self._lock.read().strip() or "another process"
+            self._lock.close()
+            raise CheckpointError(f"the checkpoint folder {self.root} is in use by a live run ({other}); give this "
+                                  "run another run.name or checkpoint.dir") from None
+        self._lock.seek(0)
+        self._lock.truncate()
+        self._lock.write(f"run {run_id}, pid {os.getpid()}\n")
+        self._lock.flush()
+        self._check_lineage()
+        self.last_good: Path | None = None
+        self.failed: list[str] = []
+
+    def _check_lineage(self) -> None:
+        want = lineage_of(self.cfg)
+        path = self.root / LINEAGE
+        if path.is_file():
+            try:
+                have = json.loads(path.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise CheckpointError(f"{path} is not valid JSON: {e}") from None
+            diff = sorted(k for k in set(want["model"]) | set(have.get("model", {}))
+                          if want["model"].get(k) != have.get("model", {}).get(k))
+            diff = [f"model.{k}: {have.get('model', {}).get(k)!r} there, {want['model'].get(k)!r} here" for k in diff]
+            if have.get("master_dtype") != want["master_dtype"]:
+                diff.append(f"optim.master_dtype: {have.get('master_dtype')!r} there, {want['master_dtype']!r} here")
+            if diff:
+                raise CheckpointError(
+                    f"the checkpoint folder {self.root} belongs to another model ({'; '.join(diff[:4])}); "
+                    "its checkpoints are left untouched. Give this run another run.name or checkpoint.dir, "
+                    "or set checkpoint.resume: null to start fresh in a folder of its own")
+        elif complete_checkpoints(self.root):
+            raise CheckpointError(f"the checkpoint folder {self.root} holds checkpoints but no {LINEAGE}: not "
+                                  "a megaray lineage; give this run another run.name or checkpoint.dir")
+        else:
+            tmp = path.with_suffix(f".tmp-{os.getpid()}")
+            tmp.write_text(json.dumps({**want, "created_by": self.run_id}, indent=1) + "\n")
+            os.replace(tmp, path)
+
+    def close(self) -> None:
+        if self._lock is not None and not self._lock.closed:
+            self._lock.close()
+
+    # ---------------------------------------------------------------- the loop asks
+    def due(self, step: int) -> bool:
+        """A periodic checkpoint after ``step`` steps (the final one is written by ``save_final``)."""
+        every = self.cfg.checkpoint.every
+        return bool(every) and step % every == 0 and step < self.cfg.train.steps
+
+    def save(self, session, step: int, extra: dict) -> Path | None:
+        """Write a checkpoint of the state after ``step`` steps; on failure keep the old ones
+        and return None (the failure is logged and remembered)."""
+        t0 = time.perf_counter()
+        tmp = tmp_dir(self.root, step)
+        try:
+            tmp.mkdir()
+            parts = session.save_parts(str(tmp))
+            trainer = {"next_step": step, "counters": session.counters(), "seed": self.cfg.run.seed,
+                       "lr_schedule": dataclasses.asdict(self.cfg.optim), "total_steps": self.cfg.train.steps,
+                       **extra}
+            parts["trainer.json"] = write_json(tmp / "trainer.json", trainer)
+            final = commit(tmp, step_dir(self.root, step), step, parts,
+                           {"run_id": self.run_id, "model": dataclasses.asdict(self.cfg.model),
+                            "master_dtype": self.cfg.optim.master_dtype, "moment_dtype": self.cfg.optim.moment_dtype})
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.failed.append(f"step {step}: {type(e).__name__}: {e}")
+            keep = f"the last good checkpoint is {self.last_good}" if self.last_good else "there is no earlier one"
+            self.log.error("checkpoint at step %d failed (%s: %s); %s", step, type(e).__name__, e, keep)
+            return None
+        self.last_good = final
+        prune(self.root, self.cfg.checkpoint.keep)
+        size = sum(p["bytes"] for p in parts.values())
+        dt = time.perf_counter() - t0
+        self.log.info("checkpoint %s: %.1f MB in %.2f s (%.2f GB/s)", final, size / 1e6, dt, size / dt / 1e9)
+        return final
+
+    def save_final(self, session, step: int, extra: dict) -> Path:
+        """The run's last state; a failure here fails the run (its work would be lost)."""
+        path = self.save(session, step, extra)
+        if path is None:
+            keep = f"the last good checkpoint is {self.last_good}" if self.last_good else "no checkpoint was saved"
+            raise CheckpointError(f"the checkpoint of step {step} could not be written ({self.failed[-1]}); {keep}")
+        return path
+
+    # ---------------------------------------------------------------- resuming
+    def candidates(self, resume: str | None) -> list[Path]:
+        """Checkpoints to try, newest first: this folder's ('auto'), one path, or none."""
+        if resume is None:
+            return []
+        if resume == "auto":
+            return complete_checkpoints(self.root)
+        return [Path(resume)]
+
+    def load(self, session, path: Path) -> tuple[int, dict]:
+        t0 = time.perf_counter()
+        ck = Checkpoint(path)
+        want = dataclasses.asdict(self.cfg.model)
+        have = ck.manifest.get("model", {})
+        diff = sorted(k for k in want if k not in _NOT_LINEAGE and want[k] != have.get(k))
+        if diff:
+            raise CheckpointError(f"{path} holds a different model than model: in this config "
+                                  f"({', '.join(f'model.{k}' for k in diff[:4])} differ)")
+        trainer = ck.read_json("trainer.json")
+        if ck.step > self.cfg.train.steps:      # not a damaged checkpoint: no falling back past it
+            raise ConfigError("train.steps", f"{self.cfg.train.steps} is below the step of {path} ({ck.step}); "
+                                             "raise train.steps to continue that run")
+        session.load(str(path), trainer["counters"])
+        size = sum(p["bytes"] for p in ck.parts.values())
+        dt = time.perf_counter() - t0
+        self.log.info("resumed from %s (step %d): %.1f MB in %.2f s (%.2f GB/s)", path, ck.step, size / 1e6, dt,
+                      size / dt / 1e9)
+        self.last_good = Path(path)
+        return ck.step, trainer

@@ -1,17 +1,26 @@
-"""``megaray`` command line: ``megaray train CONFIG [key=value ...]``."""
+"""``megaray`` command line: ``megaray COMMAND ...``, one entrypoint module per command.
+
+Each command is a thin module in ``megaray.pipelines`` with a ``main(argv, prog)``; it is
+imported only when asked for, so ``megaray --help`` does not wait for torch and Ray.
+"""
 from __future__ import annotations
 
+import importlib
 import sys
 
-USAGE = """usage: megaray COMMAND ...
-
-commands:
-  train CONFIG [section.key=value ...]   train a model (CONFIG: a YAML file or 'demo')
-  plan CONFIG [section.key=value ...]    the run's host/shared/GPU memory plan, checked here
-  prepare INPUT... --out DIR --seq-len N   tokenize jsonl/parquet/text into packed shards (Ray tasks)
-  export RUN_OR_CHECKPOINT OUT_DIR         write a Hugging Face model directory
-  bench [--shape S --seq N --tokens N ...] megaray vs a GPU-resident PyTorch baseline (needs a GPU)
-"""
+COMMANDS = {   # name: (entrypoint module, arguments, what it does)
+    "train": ("megaray.pipelines.train", "CONFIG [section.key=value ...]",
+              "train a model (CONFIG: a YAML file or 'demo')"),
+    "plan": ("megaray.pipelines.plan", "CONFIG [section.key=value ...]",
+             "the run's host/shared/GPU memory plan, checked here"),
+    "prepare": ("megaray.pipelines.prepare", "INPUT... --out DIR --seq-len N",
+                "tokenize jsonl/parquet/text into packed shards (Ray tasks)"),
+    "export": ("megaray.pipelines.export", "RUN_OR_CHECKPOINT OUT_DIR", "write a Hugging Face model directory"),
+    "bench": ("megaray.pipelines.bench", "[--shape S --seq N --tokens N ...]",
+              "megaray vs a GPU-resident PyTorch baseline (needs a GPU)"),
+}
+USAGE = "usage: megaray COMMAND ...\n\ncommands:\n" + "\n".join(
+    f"  {name:<8} {args:<37} {what}" for name, (_, args, what) in COMMANDS.items()) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,28 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
-    if cmd == "train":
-        from megaray.pipelines.train import main as train_main
-
-        return train_main(rest)
-    if cmd == "plan":
-        from megaray.pipelines.plan import main as plan_main
-
-        return plan_main(rest)
-    if cmd == "prepare":
-        from megaray.pipelines.prepare import main as prepare_main
-
-        return prepare_main(rest)
-    if cmd == "export":
-        from megaray.pipelines.export import main as export_main
-
-        return export_main(rest)
-    if cmd == "bench":
-        from megaray.pipelines.bench import main as bench_main
-
-        return bench_main(rest)
-    print(f"megaray: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+    if cmd not in COMMANDS:
+        print(f"megaray: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return importlib.import_module(COMMANDS[cmd][0]).main(rest, prog=f"megaray {cmd}")
 
 
 if __name__ == "__main__":

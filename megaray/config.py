@@ -1,23 +1,18 @@
-"""Run configuration: one dataclass per YAML section, validated on load.
+"""Run configuration: one dataclass per YAML section, each field documented under it.
 
-``load_config(path, overrides)`` is the only way YAML becomes a ``RunConfig``. Every field
-is type-checked against its annotation, unknown keys are refused, and cross-field checks run
-in ``__post_init__``; each failure raises ``ConfigError`` naming the dotted YAML key. All of
-this happens before any Ray actor starts. Actors receive the frozen ``RunConfig`` object
-itself, never loose keyword arguments or environment variables.
+Cross-field checks run in ``__post_init__`` and raise ``ConfigError`` naming the dotted YAML
+key. ``megaray.loader`` is the only way YAML becomes a ``RunConfig`` (it also type-checks
+every field against its annotation and refuses unknown keys), all before any Ray actor
+starts. Actors receive the ``RunConfig`` object itself, never loose keyword arguments or
+environment variables.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import types
-import typing
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import yaml
 
 from megaray.errors import ConfigError
 from megaray.shapes import SHAPES
@@ -28,11 +23,21 @@ _DTYPES = ("float32", "bfloat16")
 @dataclass(kw_only=True)
 class RunSection:
     name: str = "run"
-    """Run name; the run directory is ``<dir>/<name>-<timestamp>``."""
+    """Run name (letters, digits, '.', '_', '-'); the run directory is ``<dir>/<name>-<id>``,
+    and with ``checkpoint.resume: auto`` the name is also the checkpoint folder's."""
     dir: str = "runs"
     """Folder that holds run directories."""
     seed: int = 0
-    """Seed of weight initialization and of data sampling."""
+    """Seed of weight initialization and of data sampling (0 <= seed < 2**63)."""
+
+    def __post_init__(self):
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", self.name):
+            raise ConfigError("run.name", f"{self.name!r} must be 1-64 letters, digits, '.', '_' or '-', starting "
+                                          "with a letter or digit (it names folders)")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError("run.seed", f"must be in [0, 2**63) (got {self.seed})")
+        if not self.dir:
+            raise ConfigError("run.dir", "must be a folder name")
 
 
 @dataclass(kw_only=True)
@@ -114,7 +119,7 @@ class ModelConfig:
                     raise ConfigError(f"model.rope_scaling.{k}", "is required for rope_type 'llama3'")
 
     @classmethod
-    def from_shape(cls, shape: str, **overrides) -> "ModelConfig":
+    def from_shape(cls, shape: str, **overrides) -> ModelConfig:
         """A registered shape with some keys overridden."""
         if shape not in SHAPES:
             raise ConfigError("model.shape", f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
@@ -196,8 +201,10 @@ class TrainConfig:
                 raise ConfigError(f"train.{key}", f"must be >= 1 (got {getattr(self, key)})")
         if self.max_skipped_steps < 1:
             raise ConfigError("train.max_skipped_steps", "must be >= 1")
-        if self.eval_every < 0 or self.eval_batches < 0:
-            raise ConfigError("train.eval_every", "must be >= 0")
+        if self.eval_every < 0:
+            raise ConfigError("train.eval_every", f"must be >= 0 (got {self.eval_every})")
+        if self.eval_batches < 1:
+            raise ConfigError("train.eval_batches", f"must be >= 1 (got {self.eval_batches})")
         if self.compute_dtype not in _DTYPES:
             raise ConfigError("train.compute_dtype", f"must be one of {_DTYPES} (got {self.compute_dtype!r})")
 
@@ -357,6 +364,12 @@ class ClusterConfig:
     shm_dir: str = "/dev/shm"
     """Folder of the shared-memory files that hold weights, gradients and control words."""
 
+    def __post_init__(self):
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ConfigError("cluster.num_cpus", f"must be >= 1 or null (got {self.num_cpus})")
+        if self.object_store_mb < 64:
+            raise ConfigError("cluster.object_store_mb", f"must be at least 64 (got {self.object_store_mb})")
+
 
 @dataclass(kw_only=True)
 class CheckpointConfig:
@@ -460,121 +473,3 @@ class RunConfig:
         if self.checkpoint.dir:
             return Path(self.checkpoint.dir)
         return Path(self.run.dir) / "checkpoints" / self.run.name
-
-
-_SECTIONS = {f.name: f for f in dataclasses.fields(RunConfig)}
-
-
-def _type_ok(value: Any, annotation: Any) -> bool:
-    if annotation is Any:
-        return True
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, a) for a in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if origin is not None:
-        return isinstance(value, origin)
-    return isinstance(value, annotation)
-
-
-def _build_section(cls, key: str, data: Any):
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(key, f"must be a mapping (got {type(data).__name__})")
-    if cls is ModelConfig and "from" in data:
-        data = dict(data)
-        data["from_path"] = data.pop("from")
-        if not isinstance(data["from_path"], str):
-            raise ConfigError("model.from", f"expected a path, got {data['from_path']!r}")
-        from megaray.hf import read_hf_config
-
-        hf = read_hf_config(data["from_path"])
-        clash = sorted(k for k in data if k in hf and data[k] != hf[k])
-        if clash:
-            raise ConfigError(f"model.{clash[0]}", "is set by model.from's config.json; remove it")
-        data = {**hf, **data}
-    if cls is ModelConfig and data.get("shape") in SHAPES:
-        data = {**SHAPES[data["shape"]], **data}  # explicit keys win over the shape's
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for k, v in data.items():
-        if k not in names:
-            raise ConfigError(f"{key}.{k}", f"unknown key (known in '{key}': {sorted(names)})")
-        if not _type_ok(v, hints[k]):
-            want = getattr(hints[k], "__name__", str(hints[k]))
-            raise ConfigError(f"{key}.{k}", f"expected {want}, got {type(v).__name__} {v!r}")
-        if hints[k] is float and isinstance(v, int):
-            v = float(v)
-        kwargs[k] = v
-    return cls(**kwargs)
-
-
-def build_config(data: dict) -> RunConfig:
-    """Validate a plain dict (as read from YAML) into a RunConfig."""
-    if not isinstance(data, dict):
-        raise ConfigError("<root>", "a config is a mapping of sections")
-    sections = {}
-    for name, value in data.items():
-        if name not in _SECTIONS:
-            raise ConfigError(name, f"unknown section (known: {sorted(_SECTIONS)})")
-        cls = typing.get_type_hints(RunConfig)[name]
-        sections[name] = _build_section(cls, name, value)
-    return RunConfig(**sections)
-
-
-def apply_override(data: dict, item: str) -> None:
-    """Apply one ``section.key=value`` override (value parsed as YAML) to a raw config dict."""
-    if "=" not in item:
-        raise ConfigError(item, "an override is written key=value, e.g. train.steps=10")
-    key, raw = item.split("=", 1)
-    parts = key.strip().split(".")
-    if len(parts) < 2 or not all(parts):
-        raise ConfigError(key, "an override key is section.key, e.g. optim.lr")
-    node = data
-    for p in parts[:-1]:
-        nxt = node.setdefault(p, {})
-        if not isinstance(nxt, dict):
-            raise ConfigError(key, f"'{p}' is not a section")
-        node = nxt
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
-
-
-def shipped_config(name: str) -> Path:
-    """Path of a YAML config shipped with megaray (``demo`` -> configs/demo.yaml)."""
-    here = Path(__file__).resolve().parent
-    for folder in (here.parent / "configs", here / "configs"):
-        p = folder / f"{name}.yaml"
-        if p.is_file():
-            return p
-    import megaray.configs as pkg  # installed layout
-
-    return Path(pkg.__file__).parent / f"{name}.yaml"
-
-
-def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read YAML at ``path`` (or a shipped config's name), apply overrides, validate."""
-    p = Path(path)
-    if not p.exists() and not str(path).endswith((".yaml", ".yml")):
-        p = shipped_config(str(path))
-    if not p.is_file():
-        raise ConfigError("<file>", f"no config file at {path}")
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError("<file>", f"{p} is not valid YAML: {e}") from None
-    for item in overrides:
-        apply_override(data, item)
-    return build_config(data)
-
-
-def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

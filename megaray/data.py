@@ -15,6 +15,7 @@ import sysconfig
 import numpy as np
 
 from megaray.config import DataConfig, RunConfig
+from megaray.dataset import ShardDataset
 from megaray.errors import DataError
 
 
@@ -84,8 +85,6 @@ class ByteCorpus:
 def open_source(cfg: RunConfig):
     """The configured data source: something with ``rows_at(position, n, split)`` and ``describe()``."""
     if cfg.data.source == "shards":
-        from megaray.dataset import ShardDataset
-
         return ShardDataset(cfg.data.path, cfg.train.seq_len, cfg.model.vocab_size, cfg.run.seed, cfg.data.shuffle)
     return ByteCorpus(cfg.data, model_tokenizer(cfg.model.from_path), cfg.model.vocab_size, cfg.train.seq_len,
                       cfg.run.seed)

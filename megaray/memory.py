@@ -1,44 +1,170 @@
-"""Activation memory estimates and the recomputation policy.
+"""The one model of a step's GPU memory, used by ``megaray plan``, by ``megaray train``'s check
+and by the worker at run time (how many blocks keep their activations, how many blocks'
+inputs wait in host memory).
 
-The worker keeps every block's *input* for each micro-batch of a step. A block whose
-internals are also kept is not recomputed in backward; the policy keeps the internals of
-the last K blocks (their backward runs first, so they are also freed first), K chosen from
-free device memory when not set in the config. The estimate counts what autograd saves in
-``megaray.model.block_forward`` (its lean form) per token: one fp32 scale per norm, the
-second norm's input (the first's is the block input, held anyway; the norms' outputs are
-rebuilt in backward), q, k and v (kv heads as they are where SDPA takes them grouped, else
-repeated), attention's output (also o_proj's input) and log-sum-exp, and the MLP's gate and
-up projections. When the MLP runs in chunks (``train.mlp_chunk_tokens``) it keeps neither,
-but the second norm's output instead. The H200 figures in BENCHMARKS.md compare it with
-what one kept block measures.
+What one GPU holds during a step (each GPU's share, with ``worker.count`` data-parallel
+workers): the four weight slots (embedding, head, two blocks); the saved block inputs of
+every micro-batch (less those offloaded to pinned host memory, ``worker.offload_inputs``);
+the kept blocks' internals and their private weight copy (``worker.keep_activations``: the
+last K blocks are not recomputed in the backward); the step's fp32 gradients, held until the
+global norm is known; the gradient of the step's activations; the recomputation workspace
+of one micro-batch (one MLP chunk's for long sequences); the loss chunk's logits; the fp32
+staging slab of the on-device cast; and the CUDA context.
+
+The peak is found by walking the backward: block j's input and (if kept) internals are
+freed as its fp32 gradient appears, so the peak is the largest of (inputs still saved + kept
+internals still alive + gradients so far) over the backward's positions, and the head
+(every input, the last block's output too). Offloaded inputs (the first blocks') come back
+one block ahead, so at most two of them are on the GPU at once.
+
+``block_internal_bytes_per_token`` counts what autograd saves in ``megaray.model``'s lean
+block per token: one fp32 scale per norm, the second norm's input (the first's is the block
+input, held anyway; the norms' outputs are rebuilt in the backward), q, k and v (kv heads as
+they are where SDPA takes them grouped, else repeated), attention's output (also o_proj's
+input) and log-sum-exp, and the MLP's gate and up projections. When the MLP runs in chunks
+(``train.mlp_chunk_tokens``) it keeps neither, but the second norm's output instead.
+
+At run time the worker plans against ``budget(free)``: the GPU memory free to it less one
+reserve (``RESERVE_FRACTION`` of it plus ``RESERVE_BYTES``) for the allocator's fragmentation
+and what the model does not count. After each step it corrects the model by measurement
+(``adapt_keep``: the step's measured peak and one kept block's measured cost), against the
+same budget.
 """
 from __future__ import annotations
 
-from megaray.config import ModelConfig
+from dataclasses import dataclass
 
-SAFETY = 1.25
+from megaray.config import ModelConfig, RunConfig
+from megaray.layout import build_layout
+from megaray.model import SDPA_GQA
+
+GiB = 2**30
+CUDA_CONTEXT_BYTES = 1 * GiB
+RESERVE_FRACTION = 0.06
+RESERVE_BYTES = 2 * GiB
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def block_internal_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, mlp_chunked: bool = False) -> int:
-    from megaray.model import _SDPA_GQA
-
     h, i = cfg.hidden_size, cfg.intermediate_size
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     s = dtype_bytes
     norms = 2 * 4 + s * h * (2 if mlp_chunked else 1)     # two scales; norm 2's input (and output, chunked)
-    kv_saved = kv if _SDPA_GQA or kv == q else q
+    kv_saved = kv if SDPA_GQA or kv == q else q
     attn = s * (2 * q + 2 * kv_saved) + 4 * cfg.num_attention_heads   # q, k, v, output (= o_proj input), lse
     mlp = 0 if mlp_chunked else 2 * s * i       # gate and up
     return norms + attn + mlp
 
 
-def keep_blocks(cfg: ModelConfig, tokens_per_step: int, dtype_bytes: int, free_bytes: int,
-                reserve_bytes: int, mlp_chunked: bool = False) -> int:
-    """How many of the last blocks can keep their internals within ``free_bytes - reserve``."""
-    per_block = SAFETY * block_internal_bytes_per_token(cfg, dtype_bytes, mlp_chunked) * tokens_per_step
-    per_block += cfg.num_params() / max(cfg.num_hidden_layers, 1) * dtype_bytes   # resident weights
-    budget = free_bytes - reserve_bytes
-    if budget <= 0:
-        return 0
-    return max(0, min(cfg.num_hidden_layers, int(budget // per_block)))
+@dataclass(frozen=True)
+class StepShape:
+    """The sizes the GPU model is made of, for one config (one GPU's share of a step)."""
+    layers: int
+    dtype_bytes: int
+    tokens: int                 # one GPU's tokens in a step
+    micro_tokens: int
+    embed_numel: int
+    head_numel: int
+    block_numel: int
+    one_input: int              # bytes of one block's saved inputs, all micro-batches
+    kept_one: int               # bytes of one kept block: internals of the step and its weights
+    internal_per_token: int
+    mlp_chunked: bool
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> StepShape:
+        m, t = cfg.model, cfg.train
+        units = build_layout(m)
+        s = _DTYPE_BYTES[t.compute_dtype]
+        tokens = t.tokens_per_step // cfg.worker.count
+        micro = t.micro_batch_size * t.seq_len
+        chunked = micro > t.mlp_chunk_tokens
+        per_token = block_internal_bytes_per_token(m, s, chunked)
+        block = units[1].numel if m.num_hidden_layers else 0
+        return cls(m.num_hidden_layers, s, tokens, micro, units[0].numel, units[-1].numel, block,
+                   s * tokens * m.hidden_size, per_token * tokens + s * block, per_token, chunked)
+
+
+def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: int = 0) -> dict[str, int]:
+    """The step's GPU memory at its peak, item by item, keeping the last ``keep`` blocks'
+    activations and offloading the first ``offload`` blocks' inputs."""
+    m, t = cfg.model, cfg.train
+    sh = StepShape.of(cfg)
+    L, s = sh.layers, sh.dtype_bytes
+    keep = max(0, min(L, keep))
+    n_off = max(0, min(L - keep, offload))
+    grads_ends = 4 * (sh.embed_numel + sh.head_numel)        # head's and embedding's, from the backward's start
+    best = ((L + 1 - n_off) * sh.one_input + keep * sh.kept_one + grads_ends, L + 1 - n_off, keep, L)
+    for j in range(L, -1, -1):                                  # blocks 0..j-1 not yet backwarded
+        on_gpu_inputs = max(0, j - n_off) + (min(2, j) if j <= n_off else min(1, n_off))
+        alive_kept = max(0, j - (L - keep))
+        total = on_gpu_inputs * sh.one_input + alive_kept * sh.kept_one + grads_ends + 4 * sh.block_numel * (L - j)
+        if total > best[0]:
+            best = (total, on_gpu_inputs, alive_kept, j)
+    _, n_inputs, n_kept, j = best
+    mlp_chunk = min(t.mlp_chunk_tokens, sh.micro_tokens) * 3 * s * m.intermediate_size if sh.mlp_chunked else 0
+    items = {
+        "weight slots (embed, head, 2 blocks)": s * (sh.embed_numel + sh.head_numel + 2 * sh.block_numel),
+        "saved block inputs (at the peak)": n_inputs * sh.one_input,
+        "gradient of the step's activations": sh.one_input,
+        "fp32 gradients (at the peak)": grads_ends + 4 * sh.block_numel * (L - j),
+        # a recomputed block's internals, and its MLP backward's rebuilt silu(gate), the
+        # product's gradient and the gate's and up's gradients
+        "recomputation workspace (1 micro-batch)": sh.internal_per_token * sh.micro_tokens + (
+            mlp_chunk or 3 * s * m.intermediate_size * sh.micro_tokens),
+        "loss chunk logits (fp32, with grad)": 2 * 4 * min(t.loss_chunk_tokens, sh.micro_tokens) * m.vocab_size,
+        "kept blocks (internals + weights, at the peak)": n_kept * sh.kept_one,
+        "CUDA context and allocator slack": CUDA_CONTEXT_BYTES,
+    }
+    if cast_slab_bytes:
+        items["fp32 staging of the on-device cast"] = cast_slab_bytes
+    return items
+
+
+def gpu_total(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: int = 0) -> int:
+    return sum(gpu_items(cfg, keep, offload, cast_slab_bytes).values())
+
+
+def budget(free_bytes: int) -> int:
+    """What the worker plans to use of ``free_bytes`` of GPU memory: less the reserve."""
+    return max(0, int(free_bytes * (1 - RESERVE_FRACTION)) - RESERVE_BYTES)
+
+
+def _largest(ok, lo: int, hi: int) -> int:
+    """The largest k in [lo, hi] with ok(k), for ok true up to some k and false after; lo - 1 if none."""
+    if not ok(lo):
+        return lo - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo
+
+
+def offload_count(cfg: RunConfig, gpu_bytes: int, keep: int = 0, cast_slab_bytes: int = 0) -> int:
+    """The fewest first blocks whose inputs must wait in host memory for the step to fit
+    ``gpu_bytes`` (every block's, when nothing fits)."""
+    L = cfg.model.num_hidden_layers
+
+    def too_big(n: int) -> bool:          # true for the first few n, false once enough are offloaded
+        return gpu_total(cfg, keep, n, cast_slab_bytes) > gpu_bytes
+
+    return min(L, _largest(too_big, 0, L) + 1)
+
+
+def keep_count(cfg: RunConfig, gpu_bytes: int, offload: int = 0, cast_slab_bytes: int = 0) -> int:
+    """The most last blocks that can keep their activations within ``gpu_bytes``."""
+    L = cfg.model.num_hidden_layers
+    k = _largest(lambda k: gpu_total(cfg, k, offload, cast_slab_bytes) <= gpu_bytes, 0, L)
+    return max(0, k)
+
+
+def adapt_keep(keep: int, layers: int, measured_peak: int, kept_block_bytes: int, budget_bytes: int) -> int:
+    """The kept-block count for the next step, from this step's measured peak with ``keep``
+    blocks kept and one kept block's measured cost: as many more (or fewer) as the
+    budget's headroom holds."""
+    if kept_block_bytes <= 0:
+        return keep
+    headroom = budget_bytes - measured_peak
+    change = headroom // kept_block_bytes if headroom > 0 else -(-headroom // kept_block_bytes) - 1
+    return max(0, min(layers, keep + change))

@@ -1,16 +1,11 @@
 """Llama-family decoder as stateless layer templates.
 
 Design choices:
-- The model is cut into *layer units*: the embedding, each decoder block, and the head
-  (final norm, plus the output matrix when embeddings are untied). Each unit's parameters
-  live in one flat buffer; ``UnitLayout`` says where each named tensor sits in it.
-- Within a unit, matrices come first and 1-D tensors (norm scales, biases) last, so the
-  optimizer sees two contiguous segments: decayed and not decayed.
+- The model is cut into *layer units* (``megaray.layout``): the embedding, each decoder
+  block, and the head, each unit's parameters in one flat buffer.
 - A template is a pure function of (weights bound as views into a flat buffer,
   activations). No nn.Module owns weights; backward through views of one flat leaf tensor
   yields one flat gradient for the whole unit.
-- Names are Hugging Face's (``model.layers.3.self_attn.q_proj.weight``), so checkpoints
-  map one to one.
 - The loss is a *sum* over target tokens, computed in chunks so the logits of a whole
   batch never exist at once; the caller divides by the step's token count, which makes
   gradient accumulation exact.
@@ -20,90 +15,14 @@ This module imports neither Ray nor CUDA streams.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from megaray.config import ModelConfig
+from megaray.layout import UnitLayout
 
 IGNORE_INDEX = -100
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    name: str          # Hugging Face name
-    shape: tuple
-    offset: int        # elements into the unit's flat buffer
-    decay: bool        # a matrix (weight decay applies) or a 1-D tensor
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-@dataclass(frozen=True)
-class UnitLayout:
-    index: int         # position in forward order: 0 = embedding, 1..L = blocks, L+1 = head
-    name: str          # "embed", "block.3", "head"
-    kind: str          # "embed" | "block" | "head"
-    params: tuple      # ParamSpec, matrices first
-    numel: int
-    decay_numel: int   # params[...] with decay occupy [0, decay_numel)
-
-
-def _unit(index: int, name: str, kind: str, entries: list[tuple[str, tuple]]) -> UnitLayout:
-    entries = sorted(entries, key=lambda e: len(e[1]) < 2)  # stable: matrices first
-    specs, off, decay_numel = [], 0, 0
-    for pname, shape in entries:
-        spec = ParamSpec(pname, tuple(shape), off, len(shape) >= 2)
-        specs.append(spec)
-        off += spec.numel
-        if spec.decay:
-            decay_numel = off
-    return UnitLayout(index, name, kind, tuple(specs), off, decay_numel)
-
-
-def build_layout(cfg: ModelConfig) -> list[UnitLayout]:
-    h, hd = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    units = [_unit(0, "embed", "embed", [("model.embed_tokens.weight", (cfg.vocab_size, h))])]
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        e = [
-            (p + "self_attn.q_proj.weight", (q, h)),
-            (p + "self_attn.k_proj.weight", (kv, h)),
-            (p + "self_attn.v_proj.weight", (kv, h)),
-            (p + "self_attn.o_proj.weight", (h, q)),
-            (p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)),
-            (p + "mlp.up_proj.weight", (cfg.intermediate_size, h)),
-            (p + "mlp.down_proj.weight", (h, cfg.intermediate_size)),
-            (p + "input_layernorm.weight", (h,)),
-            (p + "post_attention_layernorm.weight", (h,)),
-        ]
-        if cfg.attention_bias:
-            e += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
-                  (p + "self_attn.v_proj.bias", (kv,))]
-        if cfg.qk_norm:
-            e += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
-        units.append(_unit(i + 1, f"block.{i}", "block", e))
-    head = [("model.norm.weight", (h,))]
-    if not cfg.tie_word_embeddings:
-        head.insert(0, ("lm_head.weight", (cfg.vocab_size, h)))
-    units.append(_unit(cfg.num_hidden_layers + 1, "head", "head", head))
-    return units
-
-
-def short_name(spec_name: str) -> str:
-    """``model.layers.3.self_attn.q_proj.weight`` -> ``self_attn.q_proj.weight``."""
-    if spec_name.startswith("model.layers."):
-        return spec_name.split(".", 3)[3]
-    return spec_name
-
-
-def bind(flat: torch.Tensor, unit: UnitLayout) -> dict[str, torch.Tensor]:
-    """Views into ``flat`` for each parameter of ``unit``, keyed by short name."""
-    return {short_name(s.name): flat[s.offset:s.offset + s.numel].view(s.shape) for s in unit.params}
 
 
 def init_unit(unit: UnitLayout, cfg: ModelConfig, seed: int) -> torch.Tensor:
@@ -297,7 +216,7 @@ def mlp(h: torch.Tensor, w: dict, chunk: int | None = None) -> torch.Tensor:
 
 # torch >= 2.5 takes grouped kv heads as they are (``enable_gqa``); SDPA is a builtin without
 # an inspectable signature, so its documented parameters tell.
-_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
 
 
 def rope_tables(cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32):
@@ -364,7 +283,7 @@ def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig, mlp_c
     q = apply_rope(q.transpose(1, 2), cos.to(q.dtype), sin.to(q.dtype))
     k = apply_rope(k.transpose(1, 2), cos.to(k.dtype), sin.to(k.dtype))
     v = v.view(b, s, nkv, hd).transpose(1, 2)
-    if nkv != nh and _SDPA_GQA:
+    if nkv != nh and SDPA_GQA:
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     else:
         if nkv != nh:
@@ -395,5 +314,5 @@ def head_loss_sum(w_head: dict, w_embed: dict | None, x: torch.Tensor, targets: 
 
 
 def flops_per_step(cfg: ModelConfig, tokens: int, seq_len: int) -> float:
-    """DESIGN.md's formula: 6 x params x tokens + 6 x layers x hidden x seq x tokens."""
+    """ARCHITECTURE.md's formula: 6 x params x tokens + 6 x layers x hidden x seq x tokens."""
     return 6.0 * cfg.num_params() * tokens + 6.0 * cfg.num_hidden_layers * cfg.hidden_size * seq_len * tokens

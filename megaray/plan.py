@@ -11,14 +11,8 @@ is allocated.
   ``optim.moment_dtype``; in the optimizer shards), a
   fixed allowance per actor process for the interpreter and torch, and, when the worker
   computes on the CPU, the step's gradients it holds until the norm is known;
-- the GPU (each GPU's, with ``worker.count`` data-parallel workers: its share of the
-  step's tokens): the four weight slots (embedding, head, two blocks), and at the step's peak
-  (found by walking the backward: saved inputs and kept internals are freed block by block
-  as the fp32 gradients, held until the global norm is known, grow) the saved block inputs
-  of a step (less those offloaded to pinned host memory: ``worker.offload_inputs``), the
-  kept blocks' internals and weights (``megaray.memory``) and the gradients; the
-  recomputation workspace of one micro-batch (one MLP chunk's for long sequences), the loss
-  chunk's logits, the fp32 staging slab of the on-device cast, and the CUDA context.
+- the GPU at the step's peak, item by item: ``megaray.memory``'s model, the same one the
+  worker chooses its kept and offloaded blocks with at run time.
 
 Host bytes per parameter counts the training state: everything in shared memory (Ray's
 object store included) and the moments; not the per-process allowance.
@@ -28,19 +22,19 @@ whole report and the shortfall; ``megaray train`` calls it before starting any a
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from megaray import memory
 from megaray.buffers import DTYPES, Handles
 from megaray.config import RunConfig
 from megaray.errors import PlanError
-from megaray.memory import block_internal_bytes_per_token
-from megaray.model import build_layout
+from megaray.layout import build_layout
+from megaray.memory import GiB
 
-GiB = 2**30
 _SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 PROCESS_BYTES = int(0.4 * GiB)   # one actor process: interpreter, torch, Ray worker
-CUDA_CONTEXT_BYTES = 1 * GiB
 
 
 @dataclass
@@ -50,7 +44,7 @@ class Machine:
     gpu_bytes: int | None    # free device memory, None when no GPU is visible here
 
     @classmethod
-    def here(cls, shm_dir: str, gpu_bytes: int | None = None, probe_gpu: bool = False) -> "Machine":
+    def here(cls, shm_dir: str, gpu_bytes: int | None = None, probe_gpu: bool = False) -> Machine:
         info = {}
         with open("/proc/meminfo") as f:
             for line in f:
@@ -127,72 +121,22 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
                       "actor processes": PROCESS_BYTES * (cfg.optim.num_shards + 3 + cfg.worker.count)}
     if not on_gpu:
         p.host_private["step gradients held by the worker (CPU device)"] = 4 * p.params
-    s = DTYPES[t.compute_dtype].itemsize
     L = m.num_hidden_layers
-    tokens = t.tokens_per_step // cfg.worker.count          # what one GPU of the data-parallel workers holds
-    micro_tokens = t.micro_batch_size * t.seq_len
-    chunked = micro_tokens > t.mlp_chunk_tokens
-    block_numel = units[1].numel
-    per_block_internal = block_internal_bytes_per_token(m, s, chunked)
     # With keep_activations unset the worker keeps as many blocks as fit; the plan counts
     # the minimum (none), which is what must fit.
     p.keep_blocks = min(L, keep if keep is not None else (cfg.worker.keep_activations or 0))
     p.offload_inputs = min(L - p.keep_blocks, offload if offload is not None else (cfg.worker.offload_inputs or 0))
-    chunk = min(t.loss_chunk_tokens, micro_tokens)
-    one_input = s * tokens * m.hidden_size                      # one block's saved inputs, all micro-batches
-    kept_one = per_block_internal * tokens + s * block_numel
-    grads_ends = 4 * (units[0].numel + units[-1].numel)          # head's and embedding's, from the backward's start
-    # Through the backward, block j's input and (if kept) internals are freed as its fp32
-    # gradient appears: the peak is the largest of (inputs still saved + kept internals still
-    # alive + gradients so far) over the backward's positions, and the head (every input,
-    # the last block's output too). Offloaded inputs (the first blocks') come back one block
-    # ahead, so at most two of them are on the GPU at once.
-    n_off = p.offload_inputs
-    best = (((L + 1 - n_off) * one_input + p.keep_blocks * kept_one + grads_ends), L + 1 - n_off, p.keep_blocks, L)
-    for j in range(L, -1, -1):                                  # blocks 0..j-1 not yet backwarded
-        on_gpu_inputs = max(0, j - n_off) + (min(2, j) if j <= n_off else min(1, n_off))
-        alive_kept = max(0, j - (L - p.keep_blocks))
-        total = on_gpu_inputs * one_input + alive_kept * kept_one + grads_ends + 4 * block_numel * (L - j)
-        if total > best[0]:
-            best = (total, on_gpu_inputs, alive_kept, j)
-    _, n_inputs, n_kept, j = best
     if p.offload_inputs:
+        one_input = memory.StepShape.of(cfg).one_input
         p.host_private[f"offloaded block inputs ({p.offload_inputs}, pinned)"] = (
             p.offload_inputs * one_input * cfg.worker.count)
-    mlp_chunk = min(t.mlp_chunk_tokens, micro_tokens) * 3 * s * m.intermediate_size if chunked else 0
-    p.gpu = {
-        "weight slots (embed, head, 2 blocks)": s * (units[0].numel + units[-1].numel + 2 * block_numel),
-        "saved block inputs (at the peak)": n_inputs * one_input,
-        "gradient of the step's activations": one_input,
-        "fp32 gradients (at the peak)": grads_ends + 4 * block_numel * (L - j),
-        # a recomputed block's internals, and its MLP backward's rebuilt silu(gate), the
-        # product's gradient and the gate's and up's gradients
-        "recomputation workspace (1 micro-batch)": per_block_internal * micro_tokens + (
-            mlp_chunk or 3 * s * m.intermediate_size * micro_tokens),
-        "loss chunk logits (fp32, with grad)": 2 * 4 * chunk * m.vocab_size,
-        "kept blocks (internals + weights, at the peak)": n_kept * kept_one,
-        "CUDA context and allocator slack": CUDA_CONTEXT_BYTES,
-    }
-    if h.cast_on_device:
-        p.gpu["fp32 staging of the on-device cast"] = h.slab_bytes
+    p.gpu = memory.gpu_items(cfg, p.keep_blocks, p.offload_inputs, h.slab_bytes if h.cast_on_device else 0)
     return p
-
-
-def offload_needed(cfg: RunConfig, gpu_bytes: int) -> int:
-    """The fewest first blocks whose inputs must wait in host memory for the plan to fit
-    ``gpu_bytes`` (every block's, when nothing fits)."""
-    L = cfg.model.num_hidden_layers
-    for n in range(L + 1):
-        if plan(cfg, offload=n).gpu_total <= gpu_bytes:
-            return n
-    return L
 
 
 def savings(cfg: RunConfig) -> list[tuple[str, int, float]]:
     """What each memory-saving option not yet on would save: (override, host bytes saved,
     host bytes per parameter with it)."""
-    import dataclasses
-
     base = plan(cfg)
 
     def alt(name: str, **changes) -> tuple[str, int, float]:
@@ -228,33 +172,48 @@ def shortfalls(p: Plan, machine: Machine) -> list[str]:
 
 
 def largest_fit(cfg: RunConfig, machine: Machine) -> tuple[int, int]:
-    """Largest micro_batch_size at this seq_len, and largest seq_len at this micro-batch, on the GPU."""
-    import dataclasses
-
+    """Largest micro_batch_size at this seq_len, and largest seq_len (a multiple of 256) at
+    this micro-batch, on the GPU (the need grows with both: a bisection)."""
     if machine.gpu_bytes is None:
         return cfg.train.micro_batch_size, cfg.train.seq_len
+    slab = cast_slab_bytes(cfg)
 
     def fits(mb, seq):
         tr = dataclasses.replace(cfg.train, micro_batch_size=mb, seq_len=seq)
-        return plan(dataclasses.replace(cfg, train=tr)).gpu_total <= machine.gpu_bytes
+        w = cfg.worker
+        return memory.gpu_total(dataclasses.replace(cfg, train=tr), w.keep_activations or 0, w.offload_inputs or 0,
+                                slab) <= machine.gpu_bytes
 
-    mb = 0
-    while mb < 4096 and fits(mb + 1, cfg.train.seq_len):
-        mb += 1
-    seq = 0
-    step = 256
-    while seq + step <= cfg.model.max_position_embeddings and fits(cfg.train.micro_batch_size, seq + step):
-        seq += step
+    mb = max(0, memory._largest(lambda k: fits(k, cfg.train.seq_len), 1, 4096))
+    seq = 256 * max(0, memory._largest(lambda k: fits(cfg.train.micro_batch_size, 256 * k), 1,
+                                       cfg.model.max_position_embeddings // 256))
     return mb, seq
+
+
+def cast_slab_bytes(cfg: RunConfig) -> int:
+    """The worker's fp32 staging slab when it casts the master on the device, else 0."""
+    h = Handles.for_config(cfg, "plan", 0, build_layout(cfg.model))
+    return h.slab_bytes if h.cast_on_device else 0
+
+
+def offload_needed(cfg: RunConfig, gpu_bytes: int) -> int:
+    """The fewest first blocks whose inputs must wait in host memory for the plan to fit."""
+    return memory.offload_count(cfg, gpu_bytes, cast_slab_bytes=cast_slab_bytes(cfg))
+
+
+def plan_for(cfg: RunConfig, machine: Machine) -> Plan:
+    """The plan of the run as it would run on ``machine``: on its GPU (offloading the inputs
+    the worker would offload) or, without one, on the CPU (which holds the step's gradients)."""
+    offload = None
+    if cfg.worker.offload_inputs is None and machine.gpu_bytes is not None:
+        offload = offload_needed(cfg, machine.gpu_bytes)     # what the worker will choose
+    return plan(cfg, on_gpu=machine.gpu_bytes is not None, offload=offload)
 
 
 def check(cfg: RunConfig, machine: Machine | None = None) -> Plan:
     """Raise PlanError with the report when the machine cannot hold the run."""
     machine = machine or Machine.here(cfg.cluster.shm_dir)
-    offload = None
-    if cfg.worker.offload_inputs is None and machine.gpu_bytes is not None:
-        offload = offload_needed(cfg, machine.gpu_bytes)     # what the worker will choose
-    p = plan(cfg, on_gpu=machine.gpu_bytes is not None, offload=offload)
+    p = plan_for(cfg, machine)
     short = shortfalls(p, machine)
     if short:
         raise PlanError("the run does not fit this machine:\n  " + "\n  ".join(short) + "\n" + p.report(machine))

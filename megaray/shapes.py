@@ -1,7 +1,7 @@
 """Registry of model shapes, each a Hugging Face style config dict built by one helper.
 
 ``debug`` is the tiny shape the tests use; ``demo`` is what the shipped demo trains on a
-laptop CPU; the llama* shapes are the benchmark shapes of DESIGN.md and the issues.
+laptop CPU; the llama* shapes are the benchmark shapes of BENCHMARKS.md.
 """
 from __future__ import annotations
 

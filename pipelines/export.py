@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray export") -> int:
     p.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors shard, in GiB")
     a = p.parse_args(argv)
     from megaray.errors import MegarayError
-    from megaray.hf import export_checkpoint
+    from megaray.hf.export import export_checkpoint
 
     try:
         ck, written = export_checkpoint(a.source, a.out_dir, a.dtype, int(a.shard_gb * 2**30))

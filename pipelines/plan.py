@@ -12,9 +12,9 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
-    from megaray.config import load_config
     from megaray.errors import ConfigError
-    from megaray.plan import Machine, largest_fit, plan, savings, shortfalls
+    from megaray.loader import load_config
+    from megaray.plan import Machine, largest_fit, plan_for, savings, shortfalls
 
     try:
         cfg = load_config(a.config, a.overrides)
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
         print(f"megaray: config error: {e}", file=sys.stderr)
         return 2
     machine = Machine.here(cfg.cluster.shm_dir, probe_gpu=cfg.worker.device != "cpu")
-    pl = plan(cfg)
+    pl = plan_for(cfg, machine)
     print(pl.report(machine))
     for override, saved, per_param in savings(cfg):
         print(f"option {override}: saves {saved / 2**30:.2f} GiB of host memory ({per_param:.2f} bytes/param)")

@@ -24,8 +24,8 @@ def main(argv: list[str] | None = None, prog: str = "megaray prepare") -> int:
     p.add_argument("--split-mb", type=float, default=64.0, help="input MB per Ray task")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray that prepare starts (default: all)")
     a = p.parse_args(argv)
-    from megaray.dataset import PrepareOptions, prepare
     from megaray.errors import DataError
+    from megaray.prepare import PrepareOptions, prepare
 
     try:
         opts = PrepareOptions(seq_len=a.seq_len, kind=a.kind, text_column=a.text_column,

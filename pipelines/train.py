@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megaray.config import load_config
 from megaray.errors import ConfigError, MegarayError, RunStopped
+from megaray.loader import load_config
 
 
 def build_parser(prog: str = "megaray train") -> argparse.ArgumentParser:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from reference import RefLlama
 
 from megaray.bench import BaselineLlama, bench, bench_config, breakdown, run_baseline
-from megaray.model import build_layout, flops_per_step, init_unit
-
-from reference import RefLlama
+from megaray.layout import build_layout
+from megaray.model import flops_per_step, init_unit
 
 SET = {"worker.device": "cpu", "worker.threads": 1, "train.compute_dtype": "float32", "train.loss_chunk_tokens": 50,
        "optim.grad_slab_mib": 0.015625, "cluster.num_cpus": 6}

@@ -18,15 +18,14 @@ import numpy as np
 import pytest
 import ray
 import torch
+from conftest import shm_files
 
 from megaray.actors.session import NAMESPACE
-from megaray.checkpoint import complete_checkpoints, read_manifest
-from megaray.config import load_config
+from megaray.checkpoint import Checkpoint, complete_checkpoints
 from megaray.errors import CheckpointError, TrainingDiverged
+from megaray.loader import load_config
 from megaray.runner import train
 from megaray.shm import remove_stale
-
-from conftest import shm_files
 
 BASE = ["train.steps=6", "train.log_every=1", "train.eval_batches=1", "data.max_bytes=50000"]
 
@@ -56,13 +55,17 @@ def test_periodic_and_final_checkpoints_keep_the_last_n(ray_cluster, tmp_path):
     s = train(_cfg(tmp_path, "checkpoint.every=2", "checkpoint.keep=2"))
     ckpts = complete_checkpoints(tmp_path / "checkpoints" / "debug")
     assert [p.name for p in ckpts] == ["step-00000006", "step-00000004"]
-    m = read_manifest(ckpts[0])
-    assert set(m["parts"]) == {"master.bin", "optim-0.pt", "optim-1.pt", "trainer.json"}
-    for name, part in m["parts"].items():                   # checksums, computed independently
+    m = Checkpoint(ckpts[0]).manifest
+    assert set(m["parts"]) == {"master.bin", "optim-0.bin", "optim-1.bin", "trainer.json"}
+    for name, part in m["parts"].items():                   # checksums, computed independently (one block each)
         data = (ckpts[0] / name).read_bytes()
-        assert len(data) == part["bytes"] and zlib.crc32(data) == part["crc32"]
-    # the debug model's 6 gradient pieces (embed, 2 per block, the final norm), split between the shards
-    assert sorted(m["parts"]["optim-0.pt"]["pieces"] + m["parts"]["optim-1.pt"]["pieces"]) == list(range(6))
+        assert len(data) == part["bytes"] and [zlib.crc32(data)] == part["crc32"]
+    # the debug model's moments by position: the embedding, each block's matrices and its 1-D
+    # tensors, the final norm, split between the shards, each range at Adam step 6
+    ranges = sorted(tuple(e[:4]) for k in (0, 1) for e in m["parts"][f"optim-{k}.bin"]["moments"])
+    assert ranges == [(0, 0, 8192, 6), (1, 0, 9216, 6), (1, 9216, 9280, 6), (2, 0, 9216, 6), (2, 9216, 9280, 6),
+                      (3, 0, 32, 6)]
+    assert [e[:3] for e in m["parts"]["master.bin"]["master"]] == [[0, 0, 8192], [1, 0, 9280], [2, 0, 9280], [3, 0, 32]]
     assert json.loads((ckpts[0] / "trainer.json").read_text())["next_step"] == 6
     assert not list((tmp_path / "checkpoints" / "debug").glob("*.tmp-*"))
     assert s["checkpoint"] == str(ckpts[0])
@@ -89,6 +92,33 @@ def test_resume_continues_bit_for_bit(reference_run, tmp_path):
     assert _master(Path(s["checkpoint"])) == _master(ref_ckpt)
 
 
+@pytest.mark.parametrize("changed", [["optim.num_shards=3", "optim.grad_slab_mib=0.01"],
+                                     ["optim.num_shards=1", "optim.shard_layout=contiguous"]],
+                         ids=["3-shards-small-slabs", "1-shard"])
+def test_resume_with_other_shards_and_slabs_is_bit_for_bit(reference_run, tmp_path, changed):
+    """Moments are saved by position in the model, so the checkpoint of a 2-shard run with
+    64 MiB slabs resumes under another cut (here ~2.6k-element pieces over 3 shards, or one
+    shard) and ends where the uninterrupted run ended, bit for bit."""
+    _, ref_losses, ref_ckpt = reference_run
+
+    class Interrupt(Exception):
+        pass
+
+    def interrupt(step, session):
+        if step == 4:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        train(_cfg(tmp_path, "checkpoint.every=3"), on_step=interrupt)
+    s = train(_cfg(tmp_path, *changed))
+    assert s["first_step"] == 3
+    assert {k: v for k, v in _losses(s).items()} == {k: ref_losses[k] for k in (3, 4, 5)}
+    assert _master(Path(s["checkpoint"])) == _master(ref_ckpt)
+    m = Checkpoint(s["checkpoint"]).manifest
+    n_shards = 3 if "optim.num_shards=3" in changed else 1
+    assert sorted(k for k in m["parts"] if k.startswith("optim-")) == [f"optim-{k}.bin" for k in range(n_shards)]
+
+
 def test_bf16_master_and_moments_train_resume_and_export(ray_cluster, tmp_path):
     """The reduced-precision options end to end: a run learns, resumes bit for bit from its
     own checkpoint, refuses a checkpoint of the other master dtype, and exports fp32."""
@@ -97,11 +127,12 @@ def test_bf16_master_and_moments_train_resume_and_export(ray_cluster, tmp_path):
     ref_losses = _losses(ref)
     assert ref_losses[5] < ref_losses[0]
     ck = Path(ref["checkpoint"])
-    assert read_manifest(ck)["parts"]["master.bin"]["dtype"] == "bfloat16"
+    m = Checkpoint(ck).manifest
+    assert m["master_dtype"] == "bfloat16" and m["moment_dtype"] == "bfloat16"
     n = load_config("debug").model.num_params()
-    assert os.path.getsize(ck / "master.bin") < 2 * n + 4 * 4096         # 2 bytes a parameter (page-aligned units)
-    for st in torch.load(ck / "optim-0.pt", weights_only=True)["pieces"].values():
-        assert st["state"][0]["exp_avg"].dtype == torch.bfloat16
+    assert os.path.getsize(ck / "master.bin") == 2 * n                  # 2 bytes a parameter
+    moments = sum(e[2] - e[1] for k in (0, 1) for e in m["parts"][f"optim-{k}.bin"]["moments"])
+    assert moments == n and os.path.getsize(ck / "optim-0.bin") + os.path.getsize(ck / "optim-1.bin") == 2 * 2 * n
 
     def interrupt(step, session):
         if step == 4:
@@ -114,8 +145,9 @@ def test_bf16_master_and_moments_train_resume_and_export(ray_cluster, tmp_path):
     assert _master(Path(s["checkpoint"])) == _master(ck)
     with pytest.raises(CheckpointError, match="optim.master_dtype"):
         train(_cfg(tmp_path / "other", f"checkpoint.resume={ck}", "train.compute_dtype=bfloat16"))
-    from megaray.hf import export_checkpoint
     from safetensors.torch import load_file
+
+    from megaray.hf.export import export_checkpoint
 
     export_checkpoint(ck, tmp_path / "hf")
     exported = load_file(tmp_path / "hf" / "model.safetensors")
@@ -171,34 +203,36 @@ def test_corrupt_or_incomplete_checkpoint_falls_back_to_the_previous(ray_cluster
     assert s["first_step"] == 4
     assert "corrupt" in (Path(s["run_dir"]) / "train.log").read_text()
     # a missing part in the newest (step 8): the one before (6, still corrupt), then 4
-    (complete_checkpoints(root)[0] / "optim-1.pt").unlink()
+    (complete_checkpoints(root)[0] / "optim-1.bin").unlink()
     s = train(_cfg(tmp_path, "train.steps=9"))
     assert s["first_step"] == 4
     log = (Path(s["run_dir"]) / "train.log").read_text()
-    assert "step-00000008/optim-1.pt is missing" in log and "step-00000006/master.bin is corrupt" in log
+    assert "step-00000008/optim-1.bin is missing" in log and "step-00000006/master.bin is corrupt" in log
     # an explicit path to a bad checkpoint is refused, naming the part
     with pytest.raises(CheckpointError, match="master.bin"):
         train(_cfg(tmp_path, f"checkpoint.resume={newest}"))
     assert shm_files() == []
 
 
-def test_full_disk_keeps_the_previous_checkpoint(ray_cluster, tmp_path):
+def test_full_disk_keeps_the_previous_checkpoint_and_fails_the_run(ray_cluster, tmp_path):
+    """A checkpoint that does not fit fails cleanly and the older one stays; the run whose
+    final state could not be saved does not report success, and says what is left."""
     disk = tmp_path / "small"
     disk.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=560k", "tmpfs", str(disk)],
                       capture_output=True).returncode != 0:
         pytest.skip("cannot mount a small tmpfs here")
     try:
-        s = train(_cfg(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.keep=5",
+        with pytest.raises(CheckpointError, match="last good checkpoint is .*step-00000002") as e:
+            train(_cfg(tmp_path, "train.steps=4", "checkpoint.every=2", "checkpoint.keep=5",
                        f"checkpoint.dir={disk}"))
-        assert s["status"] == "succeeded" and s["checkpoint"] is None   # the final one did not fit
-        log = (Path(s["run_dir"]) / "train.log").read_text()
-        assert "checkpoint at step 4 failed" in log and "previous checkpoint stays valid" in log
+        assert "step 4 could not be written" in str(e.value)
+        (summary,) = [json.loads(p.read_text()) for p in tmp_path.glob("debug-*/summary.json")]
+        assert summary["status"] == "failed" and summary["last_good_checkpoint"].endswith("step-00000002")
         (only,) = complete_checkpoints(disk)
         assert only.name == "step-00000002"
-        m = read_manifest(only)
-        for name, part in m["parts"].items():
-            assert zlib.crc32((only / name).read_bytes()) == part["crc32"]
+        for name, part in Checkpoint(only).manifest["parts"].items():
+            assert [zlib.crc32((only / name).read_bytes())] == part["crc32"]
         assert not list(disk.glob("*.tmp-*"))
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
@@ -259,7 +293,7 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
     (summary,) = [json.loads(p.read_text()) for p in tmp_path.glob("debug-*/summary.json")]
     assert summary["status"] == "stopped"
     (ck,) = complete_checkpoints(tmp_path / "checkpoints" / "debug")
-    assert read_manifest(ck)["step"] == summary["stopped_at_step"]
+    assert Checkpoint(ck).step == summary["stopped_at_step"]
     assert shm_files(pid=proc.pid) == []
 
 

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from megaray.config import RunConfig, build_config, load_config, shipped_config
+from megaray.config import RunConfig
 from megaray.errors import ConfigError
+from megaray.loader import build_config, load_config, shipped_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 

@@ -23,7 +23,7 @@ def gpu_ray():
 
 def _train(device: str, dtype: str, steps: int = 4, extra: tuple = ()):
     from megaray.actors.session import TrainingSession
-    from megaray.config import load_config
+    from megaray.loader import load_config
 
     cfg = load_config("debug", [f"worker.device={device}", f"train.compute_dtype={dtype}",
                                 f"train.steps={steps}", "train.grad_accum=3", "optim.grad_slab_mib=0.015625",

@@ -11,12 +11,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from megaray.config import load_config
-from megaray.dataset import PrepareOptions, ShardDataset, prepare
-from megaray.errors import DataError
-
 from conftest import shm_files
+
+from megaray.dataset import ShardDataset
+from megaray.errors import DataError
+from megaray.loader import load_config
+from megaray.prepare import PrepareOptions, prepare
 
 S = 32          # seq_len of these tests: rows of 33 tokens
 

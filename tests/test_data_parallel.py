@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import shm_files
 
 from megaray.actors.session import TrainingSession
-from megaray.config import load_config
 from megaray.errors import ConfigError
-
-from conftest import shm_files
+from megaray.loader import load_config
 
 
 def _train(workers: int, steps: int = 3, masked: bool = False):
@@ -52,7 +51,8 @@ def test_two_workers_equal_one_with_the_whole_batch(ray_cluster, masked):
 
 
 def _init(name):
-    from megaray.model import build_layout, init_unit
+    from megaray.layout import build_layout
+    from megaray.model import init_unit
 
     cfg = load_config("debug")
     for u in build_layout(cfg.model):

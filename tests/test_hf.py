@@ -7,7 +7,9 @@ logits and bit-identical weights.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -18,10 +20,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from megaray.actors.session import TrainingSession  # noqa: E402
-from megaray.config import build_config  # noqa: E402
+from megaray.checkpoint import Checkpointer  # noqa: E402
 from megaray.errors import ConfigError, ModelFileError  # noqa: E402
-from megaray.hf import export_checkpoint  # noqa: E402
-from megaray.runner import Checkpointer  # noqa: E402
+from megaray.hf.export import export_checkpoint  # noqa: E402
+from megaray.loader import build_config  # noqa: E402
 
 COMMON = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -88,9 +90,11 @@ def test_load_logits_step_gradients_export(ray_cluster, tmp_path, arch):
             np.testing.assert_allclose(grads[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
             grad_diff = max(grad_diff, float(np.abs(grads[name] - g).max() / (np.abs(g).max() + 1e-12)))
 
-        ck = Checkpointer(cfg, s.run_id)
-        ck.root = tmp_path / "ckpt"
+        ck = Checkpointer(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
+                                                                                  dir=str(tmp_path / "ckpt"))),
+                          s.run_id, logging.getLogger("megaray"))
         folder = ck.save(s, 1, {})
+        ck.close()
         after = s.logits(tokens[:, :-1])
         weights = s.state_dict()
     out_dir = tmp_path / "export"

@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-
-from megaray.config import load_config
-from megaray.model import block_forward, build_layout, init_unit, bind, mlp, rms_norm, rope_tables
-from megaray.runner import train
-
 from conftest import shm_files
+
+from megaray.layout import bind, build_layout
+from megaray.loader import load_config
+from megaray.model import block_forward, init_unit, mlp, rms_norm, rope_tables
+from megaray.runner import train
 
 
 def _plain_rms_norm(x, w, eps):
@@ -100,7 +99,8 @@ def test_offloaded_block_inputs_come_back_bit_for_bit(ray_cluster, tmp_path):
     assert _losses(off) == _losses(ref)
     rows = [json.loads(x) for x in (Path(off["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["worker/offloaded_inputs"] == 2
-    assert rows[0]["worker/offload_bytes"] == 2 * 2 * 2 * 32 * 32 * 4     # 2 blocks x 2 micro-batches x [2, 32, 32] fp32
+    # 2 blocks x 2 micro-batches x [2, 32, 32] fp32
+    assert rows[0]["worker/offload_bytes"] == 2 * 2 * 2 * 32 * 32 * 4
     master = lambda s: (Path(s["checkpoint"]) / "master.bin").read_bytes()  # noqa: E731
     assert master(off) == master(ref)
     chunked = train(load_config("debug", base + [f"run.dir={tmp_path}/c", "worker.offload_inputs=1",

@@ -1,8 +1,12 @@
-"""The recomputation policy's choices for given memory budgets, against hand arithmetic."""
+"""The one GPU memory model: its per-token estimate against what autograd saves, and the
+worker's choices (kept blocks, offloaded inputs, the correction by measurement) for given
+budgets, against hand arithmetic."""
 from __future__ import annotations
 
+from megaray import memory
 from megaray.config import ModelConfig
-from megaray.memory import SAFETY, block_internal_bytes_per_token, keep_blocks
+from megaray.loader import load_config
+from megaray.memory import block_internal_bytes_per_token
 
 
 def test_bytes_per_token_hand_computed_for_llama3b():
@@ -20,7 +24,8 @@ def _saved_bytes_per_token(cfg, lean: bool, tokens=(2, 64)) -> float:
     (the block's input and its weights excluded: they are held anyway)."""
     import torch
 
-    from megaray.model import bind, block_forward, build_layout, init_unit, rope_tables
+    from megaray.layout import bind, build_layout
+    from megaray.model import block_forward, init_unit, rope_tables
 
     unit = build_layout(cfg)[1]
     flat = init_unit(unit, cfg, 0).to(torch.bfloat16).requires_grad_()
@@ -48,15 +53,40 @@ def test_estimate_matches_what_autograd_saves():
     assert _saved_bytes_per_token(cfg, lean=True) - rope == block_internal_bytes_per_token(cfg, 2)
     # plain autograd keeps the norms' outputs, silu(gate) and the product too: about twice as much
     h, i = cfg.hidden_size, cfg.intermediate_size
-    assert _saved_bytes_per_token(cfg, lean=False) - rope == block_internal_bytes_per_token(cfg, 2) + 2 * (2 * h + 2 * i)
+    plain = _saved_bytes_per_token(cfg, lean=False) - rope
+    assert plain == block_internal_bytes_per_token(cfg, 2) + 2 * (2 * h + 2 * i)
 
 
-def test_keep_blocks_fits_budget():
-    cfg = ModelConfig.from_shape("llama3b")
-    tokens = 65536
-    per_block = SAFETY * 55400 * tokens + cfg.num_params() / 28 * 2
+def test_kept_blocks_and_offload_for_a_budget_by_hand():
+    cfg = load_config("debug", ["model.shape=llama3b", "train.seq_len=2048", "train.micro_batch_size=4",
+                                "train.grad_accum=8", "train.compute_dtype=bfloat16"])
+    block = 2 * 3072 + 3072 * 3072 + 2 * 3072 * 1024 + 3072 * 3072 + 3 * 3072 * 8192
+    kept_one = 55400 * 65536 + 2 * block          # one kept block: its internals over 64k tokens and its weights
+    base = memory.gpu_total(cfg)
+    # while the peak stays at the head (every input saved), each kept block adds exactly its cost
+    assert memory.gpu_total(cfg, keep=5) - base == 5 * kept_one
+    assert memory.keep_count(cfg, base + 5 * kept_one) == 5
+    assert memory.keep_count(cfg, base + 5 * kept_one - 1) == 4
+    assert memory.keep_count(cfg, base - 1) == 0
+    assert memory.keep_count(cfg, 10**15) == 28
+    # the fewest offloaded inputs; here one offloaded block moves the peak from the head to the
+    # backward's end (every block's fp32 gradient), so more offloading saves nothing: all of them
+    one = memory.gpu_total(cfg, offload=1)
+    assert base - one < 2 * 65536 * 3072 and one == memory.gpu_total(cfg, offload=2)
+    assert memory.offload_count(cfg, base) == 0
+    assert memory.offload_count(cfg, base - 1) == 1
+    assert memory.offload_count(cfg, one) == 1
+    assert memory.offload_count(cfg, one - 1) == 28
+    # the worker's budget: free memory less 6% and 2 GiB
+    assert memory.budget(100 * 2**30) == int(94 * 2**30) - 2 * 2**30
+
+
+def test_adapt_keep_by_measurement():
     gib = 2**30
-    assert keep_blocks(cfg, tokens, 2, free_bytes=100 * gib, reserve_bytes=0) == int(100 * gib // per_block) == 22
-    assert keep_blocks(cfg, tokens, 2, free_bytes=4 * gib, reserve_bytes=0) == 0     # under one block
-    assert keep_blocks(cfg, tokens, 2, free_bytes=5 * gib, reserve_bytes=8 * gib) == 0
-    assert keep_blocks(cfg, 1024, 2, free_bytes=100 * gib, reserve_bytes=0) == 28     # everything fits
+    # 3.5 blocks of headroom under the budget: 3 more; 0.5 block over it: one fewer
+    budget = 96 * gib
+    peak = budget - 7 * gib // 2
+    assert memory.adapt_keep(10, 28, measured_peak=peak, kept_block_bytes=gib, budget_bytes=budget) == 13
+    assert memory.adapt_keep(10, 28, measured_peak=budget + gib // 2, kept_block_bytes=gib, budget_bytes=budget) == 9
+    assert memory.adapt_keep(27, 28, measured_peak=0, kept_block_bytes=gib, budget_bytes=96 * gib) == 28
+    assert memory.adapt_keep(1, 28, measured_peak=200 * gib, kept_block_bytes=gib, budget_bytes=96 * gib) == 0

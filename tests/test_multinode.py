@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import ray
 import ray.util.state
+from conftest import shm_files
 from ray.cluster_utils import Cluster
 
 from megaray.actors.session import NAMESPACE, TrainingSession
-from megaray.config import load_config
 from megaray.errors import MegarayError
-
-from conftest import shm_files
+from megaray.loader import load_config
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from reference import RefLlama
 
 from megaray.actors.session import TrainingSession
-from megaray.config import build_config
-
-from reference import RefLlama
+from megaray.loader import build_config
 
 STEPS = 6
 LR, MIN_LR, WARMUP = 3e-3, 3e-4, 2

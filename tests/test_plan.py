@@ -4,12 +4,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
-from megaray.config import load_config
-from megaray.errors import ConfigError, PlanError
-from megaray.plan import GiB, PROCESS_BYTES, Machine, check, largest_fit, plan, savings
-
 from conftest import shm_files
+
+from megaray.errors import ConfigError, PlanError
+from megaray.loader import load_config
+from megaray.plan import PROCESS_BYTES, GiB, Machine, check, largest_fit, plan, savings
 
 
 def test_debug_plan_by_hand():

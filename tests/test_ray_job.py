@@ -1,8 +1,9 @@
 """megaray as a Ray job on a real head started with `ray start --head`.
 
-The module starts one head (dashboard, job server, Prometheus metrics export), submits the
-train pipeline with `ray job submit --working-dir`, scrapes the metrics endpoint while the
-job runs, reads `ray job logs`, and stops the head with `ray stop`.
+The module starts one head (dashboard, job server, Prometheus metrics export) from the
+environment megaray is installed in, submits the train pipeline with `ray job submit
+--working-dir` as a user does (a folder holding the user's YAML), scrapes the metrics endpoint
+while the job runs, reads `ray job logs`, and stops the head with `ray stop`.
 """
 from __future__ import annotations
 
@@ -46,11 +47,15 @@ def head():
         _ray("stop", "--force", timeout=120)
 
 
-def _submit(head, sid: str, *args: str) -> None:
+def _submit(head, sid: str, *args: str, workdir: Path) -> None:
+    """Submit the train pipeline from ``workdir`` (the user's folder: ``my.yaml`` is the demo
+    config as a user would copy it)."""
+    workdir.mkdir(exist_ok=True)
+    (workdir / "my.yaml").write_text((ROOT / "configs" / "demo.yaml").read_text())
     t0 = time.time()
     while True:   # right after `ray start` the job agent may not be up yet ("try again later")
-        p = _ray("job", "submit", "--address", head["address"], "--working-dir", str(ROOT), "--submission-id", sid,
-                 "--no-wait", "--", "python", "-m", "megaray.pipelines.train", *args)
+        p = _ray("job", "submit", "--address", head["address"], "--working-dir", str(workdir), "--submission-id",
+                 sid, "--no-wait", "--", sys.executable, "-m", "megaray.pipelines.train", *args)
         if p.returncode == 0 or "try again later" not in p.stderr + p.stdout or time.time() - t0 > 120:
             break
         time.sleep(3)
@@ -88,8 +93,8 @@ def _scrape(url: str) -> dict[tuple[str, str, str], float]:
 
 
 def test_job_trains_and_exports_metrics(head, tmp_path):
-    _submit(head, "megaray-ok", "demo", "train.steps=80", "data.max_bytes=500000", "train.eval_batches=1",
-            "checkpoint.every=0", f"run.dir={tmp_path}")
+    _submit(head, "megaray-ok", "my.yaml", "train.steps=80", "data.max_bytes=500000", "train.eval_batches=1",
+            "checkpoint.every=0", f"run.dir={tmp_path}", workdir=tmp_path / "job")
     seen: dict = {}
     t0 = time.time()
     while time.time() - t0 < 240:
@@ -100,7 +105,8 @@ def test_job_trains_and_exports_metrics(head, tmp_path):
         if want <= reported or _status(head, "megaray-ok") != "RUNNING" and time.time() - t0 > 60:
             break
         time.sleep(2)
-    assert _wait(head, "megaray-ok") == "SUCCEEDED", _ray("job", "logs", "--address", head["address"], "megaray-ok").stdout[-3000:]
+    status = _wait(head, "megaray-ok")
+    assert status == "SUCCEEDED", _ray("job", "logs", "--address", head["address"], "megaray-ok").stdout[-3000:]
     logs = _ray("job", "logs", "megaray-ok", "--address", head["address"]).stdout
     assert "step 80/80" in logs and "finished; run directory" in logs
     runs = {k[1] for k in seen}
@@ -121,15 +127,16 @@ def test_job_trains_and_exports_metrics(head, tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded"
 
 
-def test_job_with_bad_config_fails_with_the_error_in_its_logs(head):
-    _submit(head, "megaray-bad", "debug", "optim.num_shards=99")
+def test_job_with_bad_config_fails_with_the_error_in_its_logs(head, tmp_path):
+    _submit(head, "megaray-bad", "debug", "optim.num_shards=99", workdir=tmp_path / "job")
     assert _wait(head, "megaray-bad", timeout=120) == "FAILED"
     logs = _ray("job", "logs", "megaray-bad", "--address", head["address"]).stdout
     assert "config key 'optim.num_shards'" in logs
 
 
 def test_ray_job_stop_checkpoints_and_stops(head, tmp_path):
-    _submit(head, "megaray-stop", "debug", "train.steps=100000", f"run.dir={tmp_path}", "checkpoint.every=0")
+    _submit(head, "megaray-stop", "debug", "train.steps=100000", f"run.dir={tmp_path}", "checkpoint.every=0",
+            workdir=tmp_path / "job")
     t0 = time.time()
     while time.time() - t0 < 180:
         logs = list(tmp_path.glob("debug-*/train.log"))
@@ -140,9 +147,13 @@ def test_ray_job_stop_checkpoints_and_stops(head, tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert _wait(head, "megaray-stop", timeout=120) == "STOPPED"
     t0 = time.time()
-    while time.time() - t0 < 30 and not list(tmp_path.glob("debug-*/summary.json")):
+    def final_summaries():
+        return [s for s in (json.loads(p.read_text()) for p in tmp_path.glob("debug-*/summary.json"))
+                if s["status"] != "running"]
+
+    while time.time() - t0 < 30 and not final_summaries():
         time.sleep(0.5)
-    (summary,) = [json.loads(p.read_text()) for p in tmp_path.glob("debug-*/summary.json")]
+    (summary,) = final_summaries()
     assert summary["status"] == "stopped"
     ckpts = [p for p in (tmp_path / "checkpoints" / "debug").iterdir() if (p / "manifest.json").is_file()]
     assert [json.loads((p / "manifest.json").read_text())["step"] for p in ckpts] == [summary["stopped_at_step"]]

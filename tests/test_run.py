@@ -8,14 +8,13 @@ import sys
 
 import pytest
 import ray
+from conftest import shm_files
 
 from megaray.actors.session import NAMESPACE, TrainingSession
-from megaray.config import load_config
 from megaray.errors import ActorFailure
+from megaray.loader import load_config
 from megaray.runner import train
 from megaray.shm import PREFIX, remove_stale
-
-from conftest import shm_files
 
 
 def _assert_gone(run_id: str, roles) -> None:

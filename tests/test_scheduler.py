@@ -2,8 +2,8 @@
 real shared memory, driven by a small stand-in worker.
 
 The stand-in is a real Ray actor that plays the worker's side of the protocol in
-``megaray.buffers`` (verdict, then every piece into slab ``p mod R``, waiting for a free
-slab) with gradients the test chose, so the pieces' accounting, the order of updates,
+``megaray.protocol`` (verdict, then every piece into slab ``p mod R``, waiting for a free
+slab) through its named operations, with gradients the test chose, so the pieces' accounting, the order of updates,
 skipping and failure handling are checked without a model. The updated weights are
 compared with torch.optim.AdamW run by the test on whole tensors.
 """
@@ -13,12 +13,12 @@ import pytest
 import ray
 import torch
 
-from megaray.actors.optimizer import OptimizerShard
+from megaray.actors.debug import shard_class
 from megaray.actors.scheduler import Scheduler
-from megaray.buffers import Handles, RunBuffers, assign_pieces, cut_pieces
-from megaray.config import load_config
+from megaray.buffers import Handles, RunBuffers
 from megaray.errors import ActorFailure
-from megaray.model import build_layout
+from megaray.layout import assign_pieces, build_layout, cut_pieces
+from megaray.loader import load_config
 from megaray.schedule import lr_at
 
 
@@ -50,18 +50,15 @@ class StandInWorker:
         self.max_in_flight = 0
 
     def run_step(self, step, grads):
+        control, ring = self.buf.control, self.buf.ring
         for u in range(self.h.num_units):            # the forward: every unit at this step's version
-            self.buf.wait(lambda: self.buf.unit_version(u) >= step, f"unit {u}", 30)
+            control.wait_versions(self.h.unit_pieces(u), step, f"unit {u}", 30)
         applied = grads is not None
-        self.buf.decide(step, applied)
+        control.decide(step, applied)
         if applied:
-            R = self.h.ring_slabs
             for p in self.h.pieces:
-                s = p.index % R
-                self.buf.wait(lambda: self.buf.slab_piece(s) == 0, f"slab {s}", 30)
-                self.buf.slab(s, p.numel).copy_(grads[p.unit][p.start:p.stop])
-                self.buf.fill_slab(s, p.index, step)
-                self.max_in_flight = max(self.max_in_flight, sum(self.buf.slab_piece(k) > 0 for k in range(R)))
+                ring.put(p, step, lambda dst, p=p: dst.copy_(grads[p.unit][p.start:p.stop]), 30)
+                self.max_in_flight = max(self.max_in_flight, control.in_flight())
         return {"loss_sum": 10.0, "tokens": 5, "grad_norm": 1.0, "clip_coef": 1.0, "applied": applied,
                 "compute_s": 0.0}
 
@@ -80,7 +77,7 @@ def _setup(tmp_path, overrides=()):
     sched = ray.remote(Scheduler).remote(cfg, h, "sched")
     worker = StandInWorker.remote(h)
     parts = assign_pieces(len(h.pieces), cfg.optim.num_shards, cfg.optim.shard_layout)
-    shards = [ray.remote(OptimizerShard).remote(cfg, h, ps, f"t:optimizer-{k}") for k, ps in enumerate(parts)]
+    shards = [ray.remote(shard_class(cfg)).remote(cfg, h, ps, f"t:optimizer-{k}") for k, ps in enumerate(parts)]
     ray.get(sched.attach.remote(worker, shards, [f"optimizer-{k}" for k in range(len(shards))]))
     return cfg, h, buf, sched, worker, shards
 
@@ -89,7 +86,7 @@ def _reference(cfg, h, init, grads_by_step):
     """torch AdamW on each whole unit (matrices decayed, 1-D tensors not), step by step."""
     params = [torch.nn.Parameter(t.clone()) for t in init]
     groups = []
-    for u, p in zip(h.units, params):
+    for p in params:
         groups.append({"params": [p], "weight_decay": 0.0})   # per-element decay mask below
     opt = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
     for step, grads in enumerate(grads_by_step):
@@ -121,8 +118,8 @@ def test_every_piece_goes_through_the_ring_and_matches_adamw(ray_cluster, tmp_pa
     ray.get(sched.drain.remote())
     assert ray.get(sched.state.remote())["phase"] == "idle"
     assert 1 <= ray.get(worker.in_flight.remote()) <= slabs          # the ring bounds what is in flight
-    assert [buf.version(p.index) for p in h.pieces] == [3] * 11
-    assert [buf.slab_piece(s) for s in range(slabs)] == [0] * slabs  # every slab handed back
+    assert [buf.control.version(p.index) for p in h.pieces] == [3] * 11
+    assert [buf.control.slab_holder(s) for s in range(slabs)] == [None] * slabs  # every slab handed back
     ref = _reference(cfg, h, init, steps)
     for u in h.units:
         torch.testing.assert_close(buf.master(u.index), ref[u.index], rtol=1e-6, atol=1e-7)
@@ -138,7 +135,7 @@ def test_a_skipped_step_bumps_versions_and_changes_nothing(ray_cluster, tmp_path
     m = ray.get(sched.train_step.remote(0, None))
     ray.get(sched.drain.remote())
     assert m["skipped"] and ray.get(sched.state.remote())["skipped_steps"] == 1
-    assert [buf.version(p.index) for p in h.pieces] == [1] * len(h.pieces)
+    assert [buf.control.version(p.index) for p in h.pieces] == [1] * len(h.pieces)
     for u in h.units:
         assert torch.equal(buf.master(u.index), init[u.index])
     for s in shards:            # moments untouched and no step counted
@@ -153,7 +150,7 @@ def test_a_failed_update_aborts_the_run(ray_cluster, tmp_path):
     with pytest.raises(ActorFailure) as e:
         ray.get(sched.train_step.remote(1, grads))
     assert "optimizer-" in str(e.value) and "injected crash at step 1" in str(e.value)
-    assert buf.aborted                                              # waiting actors are released
+    assert buf.control.aborted                                      # waiting actors are released
     assert ray.get(sched.state.remote())["phase"] == "failed"
 
 
@@ -207,7 +204,8 @@ def test_bf16_master_rounds_stochastically_to_a_neighbour(ray_cluster, tmp_path)
         exact, _, _ = _adamw_by_hand(init[u.index], grads[u.index], z, z, 1, lr, cfg, u.decay_numel)
         got = buf.master(u.index).float()
         lo = exact.bfloat16().float()
-        lo = torch.where(lo > exact, torch.nextafter(lo.bfloat16(), torch.tensor(-1e30, dtype=torch.bfloat16)).float(), lo)
+        below = torch.nextafter(lo.bfloat16(), torch.tensor(-1e30, dtype=torch.bfloat16)).float()
+        lo = torch.where(lo > exact, below, lo)
         hi = torch.nextafter(lo.bfloat16(), torch.tensor(1e30, dtype=torch.bfloat16)).float()
         assert bool(((got == lo) | (got == hi)).all()), f"{u.name}: not a bf16 neighbour of the fp32 update"
         ups, downs = ups + int((got == hi).sum()), downs + int((got == lo).sum())
@@ -215,15 +213,15 @@ def test_bf16_master_rounds_stochastically_to_a_neighbour(ray_cluster, tmp_path)
 
 
 def test_stochastic_rounding_is_unbiased():
-    from megaray.actors.optimizer import stochastic_round_bf16
+    from megaray.adamw import stochastic_round
 
     x = torch.full((200_000,), 1.0 + 2.0 ** -10)        # 1/8 of the way from 1 to the next bf16 (1 + 2^-7)
     out = torch.empty_like(x, dtype=torch.bfloat16)
-    stochastic_round_bf16(x.clone(), out, torch.Generator().manual_seed(0))
+    stochastic_round(x.clone(), out, sr_key=12345, first=0)
     vals = out.float()
     assert set(vals.unique().tolist()) == {1.0, 1.0 + 2.0 ** -7}
     assert abs(float((vals == 1.0 + 2.0 ** -7).float().mean()) - 0.125) < 0.005
     special = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -3.0])
     out = torch.empty(5, dtype=torch.bfloat16)
-    stochastic_round_bf16(special.clone(), out, torch.Generator().manual_seed(0))
+    stochastic_round(special.clone(), out, sr_key=12345, first=0)
     assert out[0] == float("inf") and out[1] == float("-inf") and out[2].isnan() and out[3] == 0 and out[4] == -3

@@ -9,12 +9,11 @@ import math
 
 import pytest
 import torch
+from reference import RefBlock, RefLlama
 
 from megaray.config import ModelConfig
-from megaray.model import (bind, block_forward, build_layout, embed_forward, flops_per_step,
-                           head_loss_sum, init_unit, rope_tables, short_name)
-
-from reference import RefBlock, RefLlama
+from megaray.layout import bind, build_layout, short_name
+from megaray.model import block_forward, embed_forward, flops_per_step, head_loss_sum, init_unit, rope_tables
 
 CASES = {
     "llama-gqa": dict(shape="debug"),

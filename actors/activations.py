@@ -1,0 +1,119 @@
+"""What the worker keeps of a step's activations between its forward and its backward.
+
+Every block's *input* is saved for each micro-batch. Beyond that:
+- the last K blocks keep their internals (and a private device copy of their weights, since
+  their slot is refilled) so their backward needs no recomputation: K is
+  ``worker.keep_activations``, or, when unset, what ``megaray.memory``'s model says fits the
+  device's budget, corrected after every step by the measured peak and one kept block's
+  measured cost (``memory.adapt_keep``);
+- the first N blocks' inputs wait in pinned host memory (``worker.offload_inputs``, or, when
+  unset, the fewest the model needs for the step to fit), going out on the offload stream
+  after the compute that wrote them and coming back one block ahead of their backward.
+"""
+from __future__ import annotations
+
+import torch
+
+from megaray import memory
+from megaray.config import RunConfig
+
+from .device import Device, StepTimer
+
+
+class ActivationPolicy:
+    def __init__(self, cfg: RunConfig, dev: Device, block_numel: int, dtype: torch.dtype, cast_slab_bytes: int):
+        self.cfg, self.dev = cfg, dev
+        self.L = cfg.model.num_hidden_layers
+        self.block_numel, self.dtype, self.cast_slab_bytes = block_numel, dtype, cast_slab_bytes
+        self._keep: int | None = None
+        self._offload: int | None = None
+        self.kept_block_bytes = 0                   # measured device memory of one kept block
+        self._kept_bufs: list[torch.Tensor] = []
+        self.host_inputs: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ choices
+    def _budget(self) -> int:
+        return memory.budget(self.dev.free_bytes())
+
+    def keep_count(self) -> int:
+        """Blocks (the last ones) whose activations stay resident this step."""
+        k = self.cfg.worker.keep_activations
+        if k is not None:
+            return min(k, self.L)
+        if not self.dev.cuda:
+            return 0
+        if self._keep is None:
+            self._keep = memory.keep_count(self.cfg, self._budget(), self._planned_offload(), self.cast_slab_bytes)
+        return self._keep
+
+    def _planned_offload(self) -> int:
+        k = self.cfg.worker.offload_inputs
+        if k is None:
+            if self._offload is None:
+                self._offload = 0
+                if self.dev.cuda:
+                    self._offload = memory.offload_count(self.cfg, self.dev.free_bytes(),
+                                                         cast_slab_bytes=self.cast_slab_bytes)
+            k = self._offload
+        return k
+
+    def offload_count(self, keep_from: int) -> int:
+        """Blocks (the first ones) whose inputs wait in host memory: the config's number, or,
+        when unset, those the model cannot fit on the device. Never a kept block's."""
+        return min(self._planned_offload(), keep_from, self.L)
+
+    def measure_kept_block(self, allocated_before: int, buf: torch.Tensor) -> None:
+        """The first kept block's cost, as the allocator saw it: internals and its weights."""
+        if self.dev.cuda and not self.kept_block_bytes:
+            self.kept_block_bytes = self.dev.memory_allocated() - allocated_before + buf.numel() * buf.element_size()
+
+    def adapt(self, peak_bytes: int) -> None:
+        """Re-choose the kept blocks from this step's measured peak."""
+        if self.cfg.worker.keep_activations is not None or not self.dev.cuda or not self.kept_block_bytes:
+            return
+        self._keep = memory.adapt_keep(self._keep or 0, self.L, peak_bytes, self.kept_block_bytes, self._budget())
+
+    # ------------------------------------------------------------------ buffers
+    def kept_buffer(self, k: int) -> torch.Tensor:
+        while len(self._kept_bufs) <= k:
+            self._kept_bufs.append(self.dev.empty(self.block_numel, self.dtype))
+        return self._kept_bufs[k]
+
+    def host_buffer(self, n: int, like: torch.Tensor, M: int) -> torch.Tensor:
+        """Host memory for n blocks' inputs of M micro-batches, allocated (and pinned) once."""
+        shape = (n, M) + tuple(like.shape)
+        if self.host_inputs is None or tuple(self.host_inputs.shape) != shape:
+            self.host_inputs = None
+            self.host_inputs = torch.empty(shape, dtype=like.dtype, pin_memory=self.dev.cuda)
+        return self.host_inputs
+
+    def offload(self, j: int, acts: list, timer: StepTimer) -> None:
+        """Send block j's saved inputs to host memory (after the compute that wrote them)."""
+        host = self.host_inputs
+        if self.dev.cuda:
+            ev = self.dev.event_after_compute()
+            with torch.cuda.stream(self.dev.offload_stream):
+                self.dev.offload_stream.wait_event(ev)
+                for m, x in enumerate(acts[j]):
+                    host[j, m].copy_(x, non_blocking=True)
+                    x.record_stream(self.dev.offload_stream)   # its memory is reused only after the copy
+        else:
+            for m, x in enumerate(acts[j]):
+                host[j, m].copy_(x)
+        timer.add("offload_bytes", sum(x.numel() * x.element_size() for x in acts[j]))
+        acts[j] = [None] * len(acts[j])
+
+    def fetch(self, j: int, acts: list):
+        """Bring block j's inputs back to the device; returns the event compute waits on."""
+        host = self.host_inputs
+        if not self.dev.cuda:
+            acts[j] = [host[j, m].clone() for m in range(host.shape[1])]
+            return None
+        with torch.cuda.stream(self.dev.offload_stream):
+            back = [host[j, m].to(self.dev.device, non_blocking=True) for m in range(host.shape[1])]
+            ev = torch.cuda.Event()
+            ev.record(self.dev.offload_stream)
+        for x in back:
+            x.record_stream(self.dev.compute_stream)
+        acts[j] = back
+        return ev

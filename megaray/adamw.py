@@ -1,0 +1,286 @@
+"""The optimizer shards' AdamW: one pass over memory per update, in C, with a torch fallback.
+
+``AdamW.step(...)`` updates a contiguous range of one layer unit in place: the master
+weight (fp32, or bf16 with stochastic rounding), the two moments (fp32, or bf16 rounded to
+nearest even), from a gradient (fp32 or bf16, scaled by the clip coefficient), and refreshes
+the host's bf16 compute copy when there is one, all in the same pass. Bytes moved a
+parameter: 28 with fp32 state and gradient (+2 with the compute copy), 26 with a bf16
+gradient, 18 with bf16 moments and gradient.
+
+The kernel (``megaray/kernels/adamw.c``) is compiled on first use with the machine's C
+compiler into a per-user cache (``$XDG_CACHE_HOME/megaray`` or ``~/.cache/megaray``, else
+the temporary folder), keyed by the source, the flags and the CPU's features, and loaded
+with ctypes, which releases the GIL, so a shard's threads each update a slice at once.
+Where it cannot be built (no compiler) the same arithmetic runs as torch operations over
+cache-sized chunks: slower, and equal bit for bit, so a run may move between machines with
+and without a compiler and still resume exactly. The arithmetic is stated in the C file.
+
+Stochastic rounding of a bf16 master draws each element's noise from (seed, unit, step,
+element offset in the unit), so the result does not depend on how the unit was cut into
+pieces, shards or threads, and a resumed run rounds as the uninterrupted one would.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger("megaray")
+
+SOURCE = Path(__file__).with_name("kernels") / "adamw.c"
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
+CHUNK = 1 << 16            # elements per torch-fallback chunk (the chunk's temporaries stay in cache)
+_M32 = 0xFFFFFFFF
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32 (as a Python float), the value both paths compute with."""
+    return float(np.float32(x))
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """One update's float32 scalars, derived once per (piece, step) by ``hyper``."""
+    grad_scale: float
+    decay: float
+    b1c: float
+    beta2: float
+    b2c: float
+    step_size: float
+    bc2_sqrt: float
+    eps: float
+
+
+def hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, step: int,
+          grad_scale: float = 1.0) -> Hyper:
+    """Scalars of AdamW's ``step``-th update (1-based), as torch.optim.AdamW derives them."""
+    b1, b2 = betas
+    return Hyper(grad_scale=_f32(grad_scale), decay=_f32(1.0 - lr * weight_decay), b1c=_f32(1.0 - b1),
+                 beta2=_f32(b2), b2c=_f32(1.0 - b2), step_size=_f32(lr / (1.0 - b1 ** step)),
+                 bc2_sqrt=_f32((1.0 - b2 ** step) ** 0.5), eps=_f32(eps))
+
+
+def mix32(x: int) -> int:
+    """The C kernel's lowbias32 hash of a 32-bit integer."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & _M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & _M32
+    x ^= x >> 16
+    return x
+
+
+def rounding_key(seed: int, unit: int, step: int) -> int:
+    """The 32-bit key of a unit's stochastic rounding at one step."""
+    return mix32(mix32(mix32(seed & _M32) ^ unit) ^ (step & _M32))
+
+
+# ----------------------------------------------------------------------------- the C kernel
+_lib = None
+_lib_lock = threading.Lock()
+_lib_error: str | None = None
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    for d in (Path(base) / "megaray", Path(tempfile.gettempdir()) / f"megaray-{os.getuid()}"):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            if os.access(d, os.W_OK):
+                return d
+        except OSError:
+            continue
+    raise OSError("no writable cache folder for the compiled AdamW kernel")
+
+
+def _cpu_tag() -> str:
+    """What -march=native depends on: the machine and its CPU's feature flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = line
+                    break
+    except OSError:
+        pass
+    return f"{platform.machine()}:{flags}"
+
+
+def _build() -> ctypes.CDLL:
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise OSError("no C compiler (cc, gcc or clang) on the PATH")
+    src = SOURCE.read_bytes()
+    tag = hashlib.sha256(src + " ".join(FLAGS).encode() + _cpu_tag().encode() + cc.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"adamw-{tag}.so"
+    if not out.is_file():
+        # Several shards start at once: each builds into its own file and renames it into place.
+        tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        r = subprocess.run([cc, *FLAGS, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True)
+        if r.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise OSError(f"{cc} failed to build {SOURCE.name}: {r.stderr.strip()[:500]}")
+        os.replace(tmp, out)
+    lib = ctypes.CDLL(str(out))
+    f = lib.megaray_adamw
+    f.restype = ctypes.c_int
+    f.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 8 + \
+        [ctypes.c_uint32, ctypes.c_uint32]
+    return lib
+
+
+def kernel():
+    """The compiled kernel, or None (then the reason is logged once, and the fallback runs)."""
+    global _lib, _lib_error
+    with _lib_lock:
+        if _lib is None and _lib_error is None:
+            try:
+                _lib = _build()
+            except Exception as e:          # no compiler, a read-only home, a broken toolchain
+                _lib_error = f"{type(e).__name__}: {e}"
+                log.warning("the fused C AdamW kernel is not available (%s); the optimizer uses the "
+                            "torch fallback: the same results, slower", _lib_error)
+        return _lib
+
+
+def kernel_error() -> str | None:
+    """Why the kernel is not available (None when it is, or was not tried)."""
+    return _lib_error
+
+
+# ----------------------------------------------------------------------------- the update
+def _flags(master, grad, m, copy) -> int:
+    bf = torch.bfloat16
+    return ((master.dtype == bf) | (grad.dtype == bf) << 1 | (m.dtype == bf) << 2 | (copy is not None) << 3)
+
+
+def _check(master, grad, m, v, copy) -> None:
+    n = master.numel()
+    for name, t in (("gradient", grad), ("exp_avg", m), ("exp_avg_sq", v)) + ((("copy", copy),) if copy is not None
+                                                                             else ()):
+        assert t.numel() == n and t.is_contiguous() and t.device.type == "cpu", f"{name} does not match the master"
+    assert master.is_contiguous() and m.dtype == v.dtype
+    assert master.dtype in (torch.float32, torch.bfloat16) and grad.dtype in (torch.float32, torch.bfloat16)
+    assert copy is None or (master.dtype == torch.float32 and copy.dtype == torch.bfloat16)
+
+
+class AdamW:
+    """AdamW updates of contiguous ranges with ``threads`` threads (the shard's own)."""
+
+    def __init__(self, threads: int = 1, use_kernel: bool = True):
+        self.threads = max(1, threads)
+        self.lib = kernel() if use_kernel else None
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="adamw") if self.threads > 1 else None
+
+    @property
+    def fused(self) -> bool:
+        return self.lib is not None
+
+    def step(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: Hyper,
+             copy: torch.Tensor | None = None, sr_key: int = 0, offset: int = 0) -> None:
+        """Update ``master`` (and ``copy``), ``m`` and ``v`` in place from ``grad``; ``offset`` is the
+        range's first element within its unit (stochastic rounding of a bf16 master)."""
+        _check(master, grad, m, v, copy)
+        n = master.numel()
+        if n == 0:
+            return
+        run = self._kernel_range if self.lib is not None else _torch_range
+        if self.pool is None or n < 2 * CHUNK:
+            run(master, grad, m, v, h, copy, sr_key, offset, 0, n)
+            return
+        bounds = np.linspace(0, n, self.threads + 1).astype(np.int64) // 64 * 64   # cache-line aligned cuts
+        bounds[-1] = n
+        futs = [self.pool.submit(run, master, grad, m, v, h, copy, sr_key, offset, int(a), int(b))
+                for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        for f in futs:
+            f.result()
+
+    def _kernel_range(self, master, grad, m, v, h: Hyper, copy, sr_key: int, offset: int, a: int, b: int) -> None:
+        def ptr(t):
+            return None if t is None else t.data_ptr() + a * t.element_size()
+
+        rc = self.lib.megaray_adamw(_flags(master, grad, m, copy), ptr(master), ptr(copy), ptr(grad), ptr(m), ptr(v),
+                                    b - a, h.grad_scale, h.decay, h.b1c, h.beta2, h.b2c, h.step_size, h.bc2_sqrt,
+                                    h.eps, sr_key & _M32, (offset + a) & _M32)
+        if rc != 0:
+            raise ValueError(f"no AdamW kernel for flags {_flags(master, grad, m, copy)}")
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x < 2**32, without overflowing int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def stochastic_round(p: torch.Tensor, out: torch.Tensor, sr_key: int, first: int) -> None:
+    """Store fp32 ``p`` into bf16 ``out`` as the kernel does: add the hashed 16-bit noise of
+    elements ``first``, ``first + 1``, ... below the bf16 mantissa and truncate; inf and NaN
+    round to nearest."""
+    bits = p.view(torch.int32).to(torch.int64) & _M32
+    idx = torch.arange(first, first + p.numel(), dtype=torch.int64)
+    noise = _mix32((idx + sr_key) & _M32) & 0xFFFF
+    r = (bits + noise) >> 16                                     # < 2**16 for finite values
+    special = (bits & 0x7F800000) == 0x7F800000
+    r = torch.where(special, p.to(torch.bfloat16).view(torch.int16).to(torch.int64) & 0xFFFF, r)
+    out.view(torch.int16).copy_((r - ((r >> 15) << 16)).to(torch.int16))   # two's complement to int16
+
+
+def _torch_range(master, grad, m_all, v_all, h: Hyper, copy, sr_key: int, offset: int, a: int, b: int) -> None:
+    """The kernel's arithmetic as torch operations, chunk by chunk (each op one IEEE rounding)."""
+    f32 = torch.float32
+    for c in range(a, b, CHUNK):
+        d = min(b, c + CHUNK)
+        g = grad[c:d].to(f32) * h.grad_scale
+        p = master[c:d].to(f32) * h.decay
+        m = m_all[c:d].to(f32)
+        v = v_all[c:d].to(f32)
+        t = g - m
+        t.mul_(h.b1c)
+        m.add_(t)
+        v.mul_(h.beta2)
+        t = g * h.b2c
+        t.mul_(g)
+        v.add_(t)
+        denom = v.double().sqrt_().float()    # correctly rounded, as C's sqrtf (torch's float sqrt is not)
+        denom.div_(h.bc2_sqrt)
+        denom.add_(h.eps)
+        u = m * h.step_size
+        u.div_(denom)
+        p.sub_(u)
+        if master.dtype == f32:
+            master[c:d].copy_(p)
+        else:
+            stochastic_round(p, master[c:d], sr_key, offset + c)
+        if m_all.dtype == f32:
+            m_all[c:d].copy_(m)
+            v_all[c:d].copy_(v)
+        else:
+            m_all[c:d].copy_(m)     # fp32 -> bf16: round to nearest even
+            v_all[c:d].copy_(v)
+        if copy is not None:
+            copy[c:d].copy_(p)

@@ -1,0 +1,18 @@
+"""Hugging Face interop: a small adapter at the edge that nothing in the core imports.
+
+``megaray.hf.read`` turns a model directory (config.json and safetensors) into a model config
+and master weights; ``megaray.hf.export`` writes a checkpoint back as a model directory that
+transformers loads. Supported architectures: LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM and Qwen3ForCausalLM, whose parameter names are megaray's own
+(``megaray.layout`` uses Hugging Face's names), so both directions copy tensor by tensor.
+"""
+from __future__ import annotations
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+              "generation_config.json", "chat_template.jinja")

@@ -1,0 +1,129 @@
+"""Writing a Hugging Face model directory from a megaray checkpoint (``megaray export``).
+
+config.json, sharded safetensors with their index (one shard in memory at a time), and the
+tokenizer and generation files of the model the run started from; transformers'
+``AutoModelForCausalLM.from_pretrained`` loads the result and gives megaray's logits.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from megaray.checkpoint import Checkpoint, complete_checkpoints
+from megaray.config import ModelConfig
+from megaray.errors import CheckpointError
+from megaray.hf import ARCHITECTURES, SIDE_FILES
+from megaray.layout import build_layout
+
+
+def hf_config_dict(model, architecture: str | None, source: dict | None = None) -> dict:
+    """A transformers config.json for ``model`` (a ModelConfig)."""
+    arch = architecture or ("Qwen3ForCausalLM" if model.qk_norm else
+                            "Qwen2ForCausalLM" if model.attention_bias else "LlamaForCausalLM")
+    out = dict(source or {})
+    out.update({
+        "architectures": [arch], "model_type": ARCHITECTURES[arch],
+        "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
+        "intermediate_size": model.intermediate_size, "num_hidden_layers": model.num_hidden_layers,
+        "num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_key_value_heads,
+        "head_dim": model.head_dim, "rms_norm_eps": model.rms_norm_eps, "hidden_act": "silu",
+        "max_position_embeddings": model.max_position_embeddings,
+        "tie_word_embeddings": model.tie_word_embeddings, "torch_dtype": "float32",
+        "rope_theta": model.rope_theta, "rope_scaling": model.rope_scaling,
+    })
+    out.pop("rope_parameters", None)
+    out.pop("dtype", None)
+    if ARCHITECTURES[arch] in ("llama", "qwen3"):
+        out["attention_bias"] = model.attention_bias
+    if ARCHITECTURES[arch] == "mistral":
+        out["sliding_window"] = model.sliding_window
+    return out
+
+
+def write_hf_dir(out_dir: str | os.PathLike, model, specs: list[tuple[str, int]], get,
+                 source_dir: str | None = None, dtype: torch.dtype = torch.float32,
+                 shard_bytes: int = 5 * 2**30) -> list[str]:
+    """Write config.json, sharded safetensors with their index, and the source's side files.
+
+    ``specs`` lists (name, numel) in layout order and ``get(name)`` returns a tensor; shards
+    are planned first and written one at a time, so at most one shard is in memory.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    source_cfg = None
+    if source_dir and (Path(source_dir) / "config.json").is_file():
+        source_cfg = json.loads((Path(source_dir) / "config.json").read_text())
+    cfg = hf_config_dict(model, getattr(model, "architecture", None), source_cfg)
+    cfg["torch_dtype"] = str(dtype).replace("torch.", "")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    plan, size = [[]], 0
+    for name, numel in specs:
+        if size and size + numel * itemsize > shard_bytes:
+            plan.append([])
+            size = 0
+        plan[-1].append(name)
+        size += numel * itemsize
+    n, written, weight_map = len(plan), [], {}
+    for i, names in enumerate(plan):
+        fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        save_file({k: get(k).to(dtype).contiguous() for k in names}, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in names})
+        written.append(fname)
+    if n > 1:
+        total = sum(numel for _, numel in specs) * itemsize
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    if source_dir:
+        for f in SIDE_FILES:
+            if (Path(source_dir) / f).is_file():
+                shutil.copy2(Path(source_dir) / f, out / f)
+                written.append(f)
+    return written
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint folder, or the newest complete checkpoint of a folder of checkpoints or
+    of a run directory (whose summary.json names its checkpoint folder)."""
+    p = Path(path)
+    if (p / "manifest.json").is_file():
+        return p
+    folders = [p]
+    summary = p / "summary.json"
+    if summary.is_file():
+        try:
+            folder = json.loads(summary.read_text()).get("checkpoint_dir")
+        except json.JSONDecodeError:
+            folder = None
+        if folder:
+            folders.insert(0, Path(folder))
+    for folder in folders:
+        found = complete_checkpoints(folder)
+        if found:
+            return found[0]
+    raise CheckpointError(f"{p} is neither a checkpoint, a folder of checkpoints, nor a run directory with one")
+
+
+def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "float32",
+                      shard_bytes: int = 5 * 2**30) -> tuple[Path, list[str]]:
+    """Write a checkpoint's weights as a Hugging Face model directory."""
+    ck = Checkpoint(find_checkpoint(path))
+    model = ModelConfig(**ck.manifest["model"])
+    where = {s.name: (u, s) for u in build_layout(model) for s in u.params}
+
+    def get(name):
+        u, s = where[name]
+        out = torch.empty(s.numel, dtype=ck.master_dtype)
+        ck.read_range("master", u.index, s.offset, s.offset + s.numel, [out])
+        return out.float().view(s.shape)
+
+    specs = [(name, s.numel) for name, (_, s) in where.items()]
+    written = write_hf_dir(out_dir, model, specs, get, model.from_path,
+                           {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype], shard_bytes)
+    return ck.path, written

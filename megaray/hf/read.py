@@ -1,0 +1,168 @@
+"""Reading a Hugging Face model directory: config.json into model keys, safetensors into masters.
+
+Loading is a copy per tensor, upcast to the master's dtype, one tensor in memory at a time:
+safetensors files are memory-mapped and read tensor by tensor, never whole. Anything the
+templates do not implement (another architecture, an MLP bias, a sliding window shorter than
+the sequence, another rope type) is refused with the key named.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from megaray.errors import ConfigError, ModelFileError
+from megaray.hf import ARCHITECTURES
+
+IGNORED_TENSORS = ("rotary_emb.inv_freq",)
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def read_hf_config(path: str | os.PathLike) -> dict:
+    """ModelConfig keyword arguments from ``<path>/config.json``; refuses what megaray lacks."""
+    p = Path(path) / "config.json"
+    if not p.is_file():
+        raise ConfigError("model.from", f"{path} has no config.json")
+    try:
+        c = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError("model.from", f"{p} is not valid JSON: {e}") from None
+    if not isinstance(c, dict):
+        raise ConfigError("model.from", f"{p} holds a JSON {type(c).__name__}, not an object of config keys")
+    missing = [k for k in _REQUIRED if k not in c]
+    if missing:
+        raise ConfigError("model.from", f"{p} lacks the required key(s) {missing}")
+    bad = [k for k in _REQUIRED if not isinstance(c[k], int) or isinstance(c[k], bool) or c[k] <= 0]
+    if bad:
+        raise ConfigError("model.from", f"{p}: {', '.join(f'{k}={c[k]!r}' for k in bad)} must be positive integers")
+    archs = c.get("architectures") or []
+    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(c.get("model_type"))
+    if arch not in ARCHITECTURES:
+        raise ConfigError("model.from", f"{p}: architecture {archs or c.get('model_type')} is not supported "
+                                        f"(supported: {sorted(ARCHITECTURES)})")
+    kind = ARCHITECTURES[arch]
+
+    def refuse(key: str, why: str):
+        raise ConfigError("model.from", f"{p}: {key}={c.get(key)!r} is not supported: {why}")
+
+    if c.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "the MLP is SwiGLU with silu")
+    if c.get("mlp_bias", False):
+        refuse("mlp_bias", "MLP projections have no bias")
+    if c.get("use_sliding_window", False):
+        refuse("use_sliding_window", "attention is full causal attention")
+    if c.get("pretraining_tp", 1) not in (1, None):
+        refuse("pretraining_tp", "only 1")
+    rope = dict(c.get("rope_parameters") or {})
+    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = c.get("rope_scaling")
+    if scaling is None and rope.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("default", None):
+        scaling = None
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "llama3":
+        refuse("rope_scaling", f"rope type {scaling.get('rope_type', scaling.get('type'))!r}; only llama3 scaling")
+    heads = c["num_attention_heads"]
+    out = dict(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
+        num_key_value_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), rope_scaling=scaling,
+        max_position_embeddings=c.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        attention_bias=True if kind == "qwen2" else bool(c.get("attention_bias", False)),
+        qk_norm=kind == "qwen3", initializer_range=float(c.get("initializer_range", 0.02)),
+        sliding_window=c.get("sliding_window") if (kind == "mistral" or c.get("use_sliding_window")) else None,
+        architecture=arch,
+    )
+    return out
+
+
+class SafetensorsSource:
+    """The weight files of a model directory: one model.safetensors, or shards with an index."""
+
+    def __init__(self, path: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        index = self.path / "model.safetensors.index.json"
+        single = self.path / "model.safetensors"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise ModelFileError(f"{index} is not a valid safetensors index: {e}") from None
+        elif single.is_file():
+            weight_map = None
+        else:
+            raise ModelFileError(f"{self.path} has neither model.safetensors nor model.safetensors.index.json")
+        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        self.handles, self.where = {}, {}
+        for f in files:
+            fp = self.path / f
+            if not fp.is_file():
+                raise ModelFileError(f"shard {fp} listed in {index.name} is missing")
+            try:
+                h = safe_open(str(fp), framework="pt")
+                keys = list(h.keys())
+            except Exception as e:
+                raise ModelFileError(f"{fp} is not a readable safetensors file (truncated or corrupt?): {e}") from None
+            self.handles[f] = h
+            for k in keys:
+                self.where[k] = f
+        if weight_map:
+            missing = sorted(k for k, f in weight_map.items() if self.where.get(k) != f)
+            if missing:
+                raise ModelFileError(f"tensors listed in {index} are not in their shard: {missing[:5]}")
+
+    def names(self) -> list[str]:
+        return sorted(self.where)
+
+    def get(self, name: str) -> torch.Tensor:
+        f = self.where[name]
+        try:
+            return self.handles[f].get_tensor(name)
+        except Exception as e:
+            raise ModelFileError(f"{self.path / f}: tensor {name} cannot be read (truncated or corrupt?): "
+                                 f"{e}") from None
+
+
+def verify_source(units, path: str | os.PathLike) -> SafetensorsSource:
+    """Check names and shapes against the layout from the files' headers alone (no data read)."""
+    src = SafetensorsSource(path)
+    wanted = {s.name: s for u in units for s in u.params}
+    unknown = [n for n in src.names() if n not in wanted and not n.endswith(IGNORED_TENSORS)]
+    if unknown:
+        raise ModelFileError(f"{path}: tensors megaray's model does not have: {unknown[:5]}")
+    missing = [n for n in wanted if n not in src.where]
+    if missing:
+        raise ModelFileError(f"{path}: tensors missing from the safetensors files: {missing[:5]}")
+    for name, spec in wanted.items():
+        f = src.where[name]
+        shape = tuple(src.handles[f].get_slice(name).get_shape())
+        if shape != spec.shape:
+            raise ModelFileError(f"{src.path / f}: tensor {name} has shape {shape}, config.json implies {spec.shape}")
+    return src
+
+
+def load_into(units, master_view, path: str | os.PathLike) -> dict:
+    """Copy every tensor of a model directory into the fp32 master regions, upcasting.
+
+    ``master_view(u)`` returns unit u's flat fp32 tensor. Returns a small report.
+    """
+    src = verify_source(units, path)
+    wanted = {s.name: (u, s) for u in units for s in u.params}
+    dtypes, nbytes = set(), 0
+    for name, (u, s) in wanted.items():
+        t = src.get(name)
+        if tuple(t.shape) != s.shape:
+            raise ModelFileError(f"{path}: tensor {name} has shape {tuple(t.shape)}, config.json implies {s.shape}")
+        dtypes.add(str(t.dtype).replace("torch.", ""))
+        nbytes += t.numel() * t.element_size()
+        master_view(u.index)[s.offset:s.offset + s.numel].copy_(t.reshape(-1))
+        del t
+    return {"tensors": len(wanted), "source_bytes": nbytes, "source_dtypes": sorted(dtypes)}

@@ -1,0 +1,167 @@
+"""Where every parameter lives: layer units, their flat layout, and the pieces they are cut into.
+
+- The model is cut into *layer units* in forward order: the embedding (0), each decoder block
+  (1..L), and the head (L + 1: the final norm, plus the output matrix when embeddings are
+  untied). Each unit's parameters live in one flat buffer; ``UnitLayout`` says where each
+  named tensor sits in it. Names are Hugging Face's, so checkpoints and exports map one to one.
+- Within a unit, matrices come first and 1-D tensors (norm scales, biases) last, so the
+  optimizer sees two contiguous segments: decayed ``[0, decay_numel)`` and not decayed.
+- A *piece* is a slab-sized slice of a unit (``optim.grad_slab_mib``), never crossing the
+  decay boundary: the unit of transport through the gradient ring and of one optimizer
+  update. Pieces are a transport detail: nothing that is saved depends on how units were cut.
+
+Invariant: a layout is a pure function of the model config, so every actor derives the same
+one, and a checkpoint keyed by (unit, offset) or by parameter name reads back in any run of
+the same model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megaray.config import ModelConfig
+
+ALIGN = 4096        # bytes: every unit's region in a shared file starts on a page
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str          # Hugging Face name
+    shape: tuple
+    offset: int        # elements into the unit's flat buffer
+    decay: bool        # a matrix (weight decay applies) or a 1-D tensor
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    index: int         # position in forward order: 0 = embedding, 1..L = blocks, L+1 = head
+    name: str          # "embed", "block.3", "head"
+    kind: str          # "embed" | "block" | "head"
+    params: tuple      # ParamSpec, matrices first
+    numel: int
+    decay_numel: int   # params[...] with decay occupy [0, decay_numel)
+
+
+def _unit(index: int, name: str, kind: str, entries: list[tuple[str, tuple]]) -> UnitLayout:
+    entries = sorted(entries, key=lambda e: len(e[1]) < 2)  # stable: matrices first
+    specs, off, decay_numel = [], 0, 0
+    for pname, shape in entries:
+        spec = ParamSpec(pname, tuple(shape), off, len(shape) >= 2)
+        specs.append(spec)
+        off += spec.numel
+        if spec.decay:
+            decay_numel = off
+    return UnitLayout(index, name, kind, tuple(specs), off, decay_numel)
+
+
+def build_layout(cfg: ModelConfig) -> list[UnitLayout]:
+    """Every unit's layout, in forward order (memoized: the planner asks for it often)."""
+    key = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
+    if key not in _LAYOUTS:
+        if len(_LAYOUTS) >= 4:
+            _LAYOUTS.pop(next(iter(_LAYOUTS)))
+        _LAYOUTS[key] = _layout(cfg)
+    return list(_LAYOUTS[key])
+
+
+_LAYOUTS: dict[str, tuple[UnitLayout, ...]] = {}
+
+
+def _layout(cfg: ModelConfig) -> tuple[UnitLayout, ...]:
+    h, hd = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    units = [_unit(0, "embed", "embed", [("model.embed_tokens.weight", (cfg.vocab_size, h))])]
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        e = [
+            (p + "self_attn.q_proj.weight", (q, h)),
+            (p + "self_attn.k_proj.weight", (kv, h)),
+            (p + "self_attn.v_proj.weight", (kv, h)),
+            (p + "self_attn.o_proj.weight", (h, q)),
+            (p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)),
+            (p + "mlp.up_proj.weight", (cfg.intermediate_size, h)),
+            (p + "mlp.down_proj.weight", (h, cfg.intermediate_size)),
+            (p + "input_layernorm.weight", (h,)),
+            (p + "post_attention_layernorm.weight", (h,)),
+        ]
+        if cfg.attention_bias:
+            e += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
+                  (p + "self_attn.v_proj.bias", (kv,))]
+        if cfg.qk_norm:
+            e += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        units.append(_unit(i + 1, f"block.{i}", "block", e))
+    head = [("model.norm.weight", (h,))]
+    if not cfg.tie_word_embeddings:
+        head.insert(0, ("lm_head.weight", (cfg.vocab_size, h)))
+    units.append(_unit(cfg.num_hidden_layers + 1, "head", "head", head))
+    return tuple(units)
+
+
+def short_name(spec_name: str) -> str:
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``self_attn.q_proj.weight``."""
+    if spec_name.startswith("model.layers."):
+        return spec_name.split(".", 3)[3]
+    return spec_name
+
+
+def bind(flat: torch.Tensor, unit: UnitLayout) -> dict[str, torch.Tensor]:
+    """Views into ``flat`` for each parameter of ``unit``, keyed by short name."""
+    return {short_name(s.name): flat[s.offset:s.offset + s.numel].view(s.shape) for s in unit.params}
+
+
+def align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def unit_offsets(units, elem_size: int) -> tuple[tuple[int, ...], int]:
+    """Byte offset of each unit's page-aligned region in a shared file, and the file's size."""
+    out, off = [], 0
+    for u in units:
+        out.append(off)
+        off = align(off + u.numel * elem_size)
+    return tuple(out), off
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One slab's worth of a unit's flat parameters: [start, stop) of unit ``unit``."""
+    index: int
+    unit: int
+    start: int
+    stop: int
+    decay: bool     # inside the unit's decayed (matrix) range
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+def cut_pieces(units, slab_numel: int) -> tuple[Piece, ...]:
+    """Every unit's [0, decay_numel) and [decay_numel, numel), in slab-sized pieces, in forward order."""
+    out: list[Piece] = []
+    for u in units:
+        for a, b, decay in ((0, u.decay_numel, True), (u.decay_numel, u.numel, False)):
+            for start in range(a, b, slab_numel):
+                out.append(Piece(len(out), u.index, start, min(b, start + slab_numel), decay))
+    return tuple(out)
+
+
+def assign_pieces(num_pieces: int, num_shards: int, layout: str = "interleaved") -> list[list[int]]:
+    """Split piece indices among shards: piece p to shard p mod N, or contiguous, as-even-as-possible ranges."""
+    if layout == "interleaved":
+        return [list(range(k, num_pieces, num_shards)) for k in range(num_shards)]
+    base, extra = divmod(num_pieces, num_shards)
+    out, start = [], 0
+    for k in range(num_shards):
+        n = base + (1 if k < extra else 0)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out

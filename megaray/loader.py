@@ -1,0 +1,155 @@
+"""YAML to ``RunConfig``: the one loader, with overrides, shipped configs and ``model.from``.
+
+``load_config(path, overrides)`` reads a YAML file (or a shipped config's name: ``demo``,
+``debug``), applies ``section.key=value`` overrides, fills ``model`` from a Hugging Face
+directory's config.json when ``model.from`` is set, type-checks every field against its
+annotation, refuses unknown keys and builds the dataclasses of ``megaray.config``, whose
+cross-field checks then run. Every failure is a ``ConfigError`` naming the dotted key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megaray.config import ModelConfig, RunConfig
+from megaray.errors import ConfigError
+from megaray.hf.read import read_hf_config
+from megaray.shapes import SHAPES
+
+_SECTIONS = {f.name: f for f in dataclasses.fields(RunConfig)}
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    if annotation is Any:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if origin is not None:
+        return isinstance(value, origin)
+    return isinstance(value, annotation)
+
+
+def _as_number(value: Any, annotation: Any) -> Any:
+    """YAML 1.1 reads ``1e-8`` (no dot) as a string; a number written so is taken as a float
+    where the key wants one."""
+    wants_float = annotation is float or float in typing.get_args(annotation)
+    if wants_float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _describe_bad(value: Any, annotation: Any) -> str:
+    want = getattr(annotation, "__name__", str(annotation)).replace("NoneType", "null")
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number (got {value!r})"
+    return f"expected {want}, got {type(value).__name__} {value!r}"
+
+
+def _build_section(cls, key: str, data: Any):
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(key, f"must be a mapping (got {type(data).__name__})")
+    if cls is ModelConfig and "from" in data:
+        data = dict(data)
+        data["from_path"] = data.pop("from")
+        if not isinstance(data["from_path"], str):
+            raise ConfigError("model.from", f"expected a path, got {data['from_path']!r}")
+        hf = read_hf_config(data["from_path"])
+        clash = sorted(k for k in data if k in hf and data[k] != hf[k])
+        if clash:
+            raise ConfigError(f"model.{clash[0]}", "is set by model.from's config.json; remove it")
+        data = {**hf, **data}
+    if cls is ModelConfig and data.get("shape") in SHAPES:
+        data = {**SHAPES[data["shape"]], **data}  # explicit keys win over the shape's
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in data.items():
+        if k not in names:
+            raise ConfigError(f"{key}.{k}", f"unknown key (known in '{key}': {sorted(names)})")
+        v = _as_number(v, hints[k])
+        if not _type_ok(v, hints[k]):
+            raise ConfigError(f"{key}.{k}", _describe_bad(v, hints[k]))
+        if hints[k] is float and isinstance(v, int):
+            v = float(v)
+        kwargs[k] = v
+    return cls(**kwargs)
+
+
+def build_config(data: dict) -> RunConfig:
+    """Validate a plain dict (as read from YAML) into a RunConfig."""
+    if not isinstance(data, dict):
+        raise ConfigError("<root>", "a config is a mapping of sections")
+    sections = {}
+    for name, value in data.items():
+        if name not in _SECTIONS:
+            raise ConfigError(name, f"unknown section (known: {sorted(_SECTIONS)})")
+        cls = typing.get_type_hints(RunConfig)[name]
+        sections[name] = _build_section(cls, name, value)
+    return RunConfig(**sections)
+
+
+def apply_override(data: dict, item: str) -> None:
+    """Apply one ``section.key=value`` override (value parsed as YAML) to a raw config dict."""
+    if "=" not in item:
+        raise ConfigError(item, "an override is written key=value, e.g. train.steps=10")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(key, "an override key is section.key, e.g. optim.lr")
+    node = data
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(key, f"'{p}' is not a section")
+        node = nxt
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+
+
+def shipped_config(name: str) -> Path:
+    """Path of a YAML config shipped with megaray (``demo`` -> the package's configs/demo.yaml)."""
+    return Path(str(resources.files("megaray.configs").joinpath(f"{name}.yaml")))
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read YAML at ``path`` (or a shipped config's name), apply overrides, validate."""
+    p = Path(path)
+    if not p.exists() and not str(path).endswith((".yaml", ".yml")):
+        p = shipped_config(str(path))
+    if not p.is_file():
+        raise ConfigError("<file>", f"no config file at {path}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError("<file>", f"{p} is not valid YAML: {e}") from None
+    if data is None:
+        raise ConfigError("<file>", f"{p} is empty; a config holds at least one section (run, model, train, ...), "
+                                    "or name a shipped config: demo, debug")
+    for item in overrides:
+        apply_override(data, item)
+    return build_config(data)
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,480 @@
+"""``megaray prepare``: jsonl, parquet and text into packed token shards, in Ray tasks.
+
+Inputs are jsonl, parquet and plain text files (``.txt``, ``.md``), or folders of them.
+Each record becomes one document:
+- ``pretrain``: the ``text`` column (``--text-column``); a text file is one document.
+- ``sft``: a ``messages`` column (a list of {"role", "content"}) rendered through the
+  tokenizer's chat template when it has one, else ``CHAT_TEMPLATE`` below; or a
+  ``prompt``/``response`` pair rendered as a user and an assistant message. Only the
+  assistant messages (and the end-of-sequence token after each) are loss targets.
+
+Packing: the documents of one prepare task are concatenated, each followed by the
+end-of-sequence token, and cut into rows of ``seq_len + 1`` tokens; the last row is padded
+and its padding is masked out of the loss. A row may hold the end of one document and the
+start of the next: attention crosses that boundary (the usual GPT-style packing, which keeps
+the fast causal attention kernel; the end-of-sequence token marks the boundary, and nothing
+is lost to padding). Each row carries a loss mask: ``mask[j] = 1`` when token j is a target.
+
+Shards (read by ``megaray.dataset``) are Arrow IPC files (``shard-00000.arrow``, uncompressed, so training memory-maps
+them) with two fixed-size-list columns, ``tokens`` (int32) and ``mask`` (uint8).
+``manifest.json`` (written last, after the folder is complete) records the sequence length,
+the tokenizer, the vocabulary size, every shard's rows, the documents, tokens and skipped
+rows by reason, and how many of the last rows are held out for evaluation.
+
+Bad rows (malformed JSON, a missing or non-text column, empty text, malformed messages) stop
+``prepare`` with a ``DataError`` naming the file and the line or row, or, with
+``on_bad_row="skip"``, are skipped and counted in the manifest.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from megaray.errors import DataError
+
+TEXT_SUFFIXES = (".txt", ".md", ".text")
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+BYTE_EOS = 0            # the byte-level tokenizer's end of sequence (NUL)
+# The documented chat template used when the tokenizer has none (Jinja2, like Hugging Face's).
+# Each message is "<|role|>\n" + content (+ the end-of-sequence token after an assistant's) + "\n".
+CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] }}"
+                 "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}{% endfor %}"
+                 "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+
+
+class BadRow(Exception):
+    """One input record cannot be used; ``reason`` is the counted category."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+# ---------------------------------------------------------------------------- tokenizer
+class TextTokenizer:
+    """UTF-8 bytes (vocab 256, end of sequence = NUL), or a Hugging Face ``tokenizer.json``."""
+
+    def __init__(self, model_dir: str | None = None):
+        self.model_dir = model_dir
+        self.hf = None
+        self.chat_template: str | None = None
+        self.eos_token, self.bos_token = "\x00", ""
+        if model_dir is None:
+            self.vocab_size, self.eos_id = 256, BYTE_EOS
+            return
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise DataError(f"{model_dir}: no tokenizer.json")
+        from tokenizers import Tokenizer
+
+        self.hf = Tokenizer.from_file(path)
+        self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+        tc_path = os.path.join(model_dir, "tokenizer_config.json")
+        tc = json.loads(Path(tc_path).read_text()) if os.path.isfile(tc_path) else {}
+        tok = lambda v: v.get("content") if isinstance(v, dict) else v  # noqa: E731
+        self.eos_token = tok(tc.get("eos_token")) or ""
+        self.bos_token = tok(tc.get("bos_token")) or ""
+        eos = self.hf.token_to_id(self.eos_token) if self.eos_token else None
+        if eos is None:
+            raise DataError(f"{tc_path}: no eos_token that the tokenizer knows; packing needs one")
+        self.eos_id = eos
+        tmpl = tc.get("chat_template")
+        self.chat_template = tmpl if isinstance(tmpl, str) else None
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        if self.hf is None:
+            return [list(t.encode("utf-8")) for t in texts]
+        return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        import jinja2.sandbox
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(msg):
+            raise BadRow("chat template error", f"the chat template refused the messages: {msg}")
+
+        env.globals["raise_exception"] = raise_exception
+        t = env.from_string(self.chat_template or CHAT_TEMPLATE)
+        return t.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                        eos_token=self.eos_token, bos_token=self.bos_token)
+
+
+# ---------------------------------------------------------------------------- options and tasks
+@dataclass
+class PrepareOptions:
+    seq_len: int
+    kind: str = "pretrain"                  # pretrain | sft
+    text_column: str = "text"
+    prompt_column: str = "prompt"
+    response_column: str = "response"
+    messages_column: str = "messages"
+    tokenizer: str | None = None            # a model directory with tokenizer.json, or bytes
+    on_bad_row: str = "error"               # error | skip
+    holdout_fraction: float = 0.01
+    split_mb: float = 64.0                  # input bytes per prepare task
+    batch_mb: float = 4.0                   # text tokenized at once inside a task
+
+    def __post_init__(self):
+        if self.kind not in ("pretrain", "sft"):
+            raise DataError(f"kind must be pretrain or sft (got {self.kind!r})")
+        if self.on_bad_row not in ("error", "skip"):
+            raise DataError(f"on_bad_row must be error or skip (got {self.on_bad_row!r})")
+        if self.seq_len < 2:
+            raise DataError(f"seq_len must be >= 2 (got {self.seq_len})")
+        if not 0 <= self.holdout_fraction < 0.5:
+            raise DataError(f"holdout_fraction must be in [0, 0.5) (got {self.holdout_fraction})")
+
+
+@dataclass
+class Task:
+    """A slice of one input file, or several whole text files."""
+    index: int
+    kind: str                               # jsonl | parquet | text
+    paths: list[str]
+    start: int = 0                          # jsonl: byte range [start, end), first line number
+    end: int = 0
+    first_line: int = 1
+    row_groups: list[int] = field(default_factory=list)   # parquet
+    first_row: int = 0
+
+
+def input_files(inputs: list[str]) -> list[tuple[str, str]]:
+    """(kind, path) of every input file, folders walked in sorted order."""
+    out = []
+    for inp in inputs:
+        p = Path(inp)
+        if p.is_dir():
+            files = sorted(f for f in p.rglob("*") if f.is_file())
+            found = [(_kind(f), str(f)) for f in files if _kind(f)]
+            if not found:
+                raise DataError(f"{inp}: no .jsonl, .parquet or .txt files in this folder")
+            out += found
+        elif p.is_file():
+            k = _kind(p)
+            if k is None:
+                raise DataError(f"{inp}: unknown input format (use .jsonl, .parquet, .txt or .md)")
+            out.append((k, str(p)))
+        else:
+            raise DataError(f"{inp}: no such file or folder")
+    return out
+
+
+def _kind(p: Path) -> str | None:
+    s = p.suffix.lower()
+    return "jsonl" if s in JSONL_SUFFIXES else "parquet" if s in PARQUET_SUFFIXES else "text" if s in TEXT_SUFFIXES \
+        else None
+
+
+def plan_tasks(files: list[tuple[str, str]], split_bytes: int) -> list[Task]:
+    """Cut the inputs into tasks of about ``split_bytes``: jsonl at line boundaries (with the
+    line number each slice starts at), parquet by row groups, text files grouped."""
+    tasks: list[Task] = []
+    texts: list[str] = []
+    text_bytes = 0
+
+    def flush_texts():
+        nonlocal texts, text_bytes
+        if texts:
+            tasks.append(Task(len(tasks), "text", texts))
+            texts, text_bytes = [], 0
+
+    for kind, path in files:
+        if kind == "text":
+            texts.append(path)
+            text_bytes += os.path.getsize(path)
+            if text_bytes >= split_bytes:
+                flush_texts()
+        elif kind == "jsonl":
+            size = os.path.getsize(path)
+            start, line = 0, 1
+            with open(path, "rb") as f:
+                while start < size:
+                    f.seek(min(start + split_bytes, size))
+                    f.readline()                                # to the end of that line
+                    end = min(f.tell(), size) if start + split_bytes < size else size
+                    tasks.append(Task(len(tasks), "jsonl", [path], start, end, line))
+                    f.seek(start)
+                    line += f.read(end - start).count(b"\n")
+                    start = end
+        else:
+            import pyarrow.parquet as pq
+
+            try:
+                md = pq.ParquetFile(path).metadata
+            except Exception as e:
+                raise DataError(f"{path}: not a readable parquet file ({e})") from None
+            group, acc, first, row = [], 0, 0, 0
+            for g in range(md.num_row_groups):
+                group.append(g)
+                acc += md.row_group(g).total_byte_size
+                row += md.row_group(g).num_rows
+                if acc >= split_bytes:
+                    tasks.append(Task(len(tasks), "parquet", [path], row_groups=group, first_row=first))
+                    group, acc, first = [], 0, row
+            if group:
+                tasks.append(Task(len(tasks), "parquet", [path], row_groups=group, first_row=first))
+    flush_texts()
+    return tasks
+
+
+# ---------------------------------------------------------------------------- records
+def iter_records(task: Task, columns: list[str]):
+    """(where, record) pairs of a task, ``where`` naming the file and the line or row;
+    a malformed record comes as (where, BadRow)."""
+    if task.kind == "text":
+        for path in task.paths:
+            yield f"{path}", {"text": Path(path).read_text(encoding="utf-8", errors="replace")}
+    elif task.kind == "jsonl":
+        path = task.paths[0]
+        with open(path, "rb") as f:
+            f.seek(task.start)
+            line_no = task.first_line
+            while f.tell() < task.end:
+                raw = f.readline()
+                where = f"{path} line {line_no}"
+                line_no += 1
+                if not raw.strip():
+                    continue
+                try:
+                    rec = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    yield where, BadRow("malformed json", f"{where}: malformed JSON ({e})")
+                    continue
+                if not isinstance(rec, dict):
+                    yield where, BadRow("malformed json",
+                                        f"{where}: a JSON object was expected, got {type(rec).__name__}")
+                    continue
+                yield where, rec
+    else:
+        import pyarrow.parquet as pq
+
+        path = task.paths[0]
+        pf = pq.ParquetFile(path)
+        missing = [c for c in columns if c not in pf.schema_arrow.names]
+        if len(missing) == len(columns):
+            raise DataError(f"{path}: no column {' or '.join(repr(c) for c in columns)} "
+                            f"(the file has {pf.schema_arrow.names})")
+        row = task.first_row
+        for batch in pf.iter_batches(row_groups=task.row_groups, columns=[c for c in columns if c not in missing],
+                                     batch_size=1024):
+            for rec in batch.to_pylist():
+                yield f"{path} row {row}", rec
+                row += 1
+
+
+def segments(rec: dict, opts: PrepareOptions, tok: TextTokenizer, where: str) -> list[tuple[str, bool]]:
+    """A record as (text, is_target) pieces; raises BadRow."""
+    if opts.kind == "pretrain":
+        text = rec.get(opts.text_column)
+        if opts.text_column not in rec:
+            raise BadRow("missing column", f"{where}: no column {opts.text_column!r}")
+        if not isinstance(text, str):
+            raise BadRow("not text", f"{where}: column {opts.text_column!r} is {type(text).__name__}, not text")
+        if not text.strip():
+            raise BadRow("empty text", f"{where}: empty text in column {opts.text_column!r}")
+        return [(text, True)]
+    if opts.messages_column in rec:
+        msgs = rec[opts.messages_column]
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs):
+            raise BadRow("malformed messages", f"{where}: column {opts.messages_column!r} must be a non-empty list "
+                                               "of {'role': str, 'content': str}")
+    elif opts.prompt_column in rec and opts.response_column in rec:
+        p, r = rec[opts.prompt_column], rec[opts.response_column]
+        if not isinstance(p, str) or not isinstance(r, str):
+            raise BadRow("not text", f"{where}: {opts.prompt_column!r} and {opts.response_column!r} must be text")
+        msgs = [{"role": "user", "content": p}, {"role": "assistant", "content": r}]
+    else:
+        raise BadRow("missing column", f"{where}: no column {opts.messages_column!r}, nor both "
+                                       f"{opts.prompt_column!r} and {opts.response_column!r}")
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+        raise BadRow("empty text", f"{where}: no non-empty assistant message to train on")
+    # Each assistant message is the text the template adds after the prompt for it.
+    out, done = [], ""
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        prompt = tok.render_chat(msgs[:i], add_generation_prompt=True)
+        full = tok.render_chat(msgs[:i + 1])
+        if not prompt.startswith(done) or not full.startswith(prompt):
+            raise BadRow("chat template error", f"{where}: the chat template does not render messages as a prefix "
+                                                "of the conversation; cannot find the assistant's tokens")
+        out += [(prompt[len(done):], False), (full[len(prompt):], True)]
+        done = full
+    rest = tok.render_chat(msgs)[len(done):]
+    if rest:
+        out.append((rest, False))
+    return [s for s in out if s[0]]
+
+
+# ---------------------------------------------------------------------------- one task
+def run_task(task: Task, opts: PrepareOptions, out_dir: str) -> dict:
+    """Tokenize and pack one task into ``shard-<index>.arrow``; returns its statistics."""
+    import pyarrow as pa
+
+    t0 = time.perf_counter()
+    rss0 = _rss_bytes()
+    tok = TextTokenizer(opts.tokenizer)
+    S1 = opts.seq_len + 1
+    cols = [opts.text_column] if opts.kind == "pretrain" else [opts.messages_column, opts.prompt_column,
+                                                                 opts.response_column]
+    schema = pa.schema([("tokens", pa.list_(pa.int32(), S1)), ("mask", pa.list_(pa.uint8(), S1))])
+    path = os.path.join(out_dir, f"shard-{task.index:05d}.arrow")
+    stats = {"shard": os.path.basename(path), "rows": 0, "documents": 0, "tokens": 0, "skipped": {}}
+    buf_t: list[np.ndarray] = []
+    buf_m: list[np.ndarray] = []
+    pending: list[tuple[list[tuple[str, bool]], str]] = []
+    pending_bytes = 0
+    carry_t = np.zeros(0, np.int32)
+    carry_m = np.zeros(0, np.uint8)
+
+    def write_rows(writer, final: bool):
+        nonlocal carry_t, carry_m
+        t = np.concatenate([carry_t, *buf_t]) if buf_t else carry_t
+        m = np.concatenate([carry_m, *buf_m]) if buf_m else carry_m
+        buf_t.clear()
+        buf_m.clear()
+        n = len(t) // S1
+        if final and len(t) % S1:
+            pad = S1 - len(t) % S1
+            t = np.concatenate([t, np.full(pad, tok.eos_id, np.int32)])
+            m = np.concatenate([m, np.zeros(pad, np.uint8)])
+            n += 1
+        if n:
+            rows_t = pa.FixedSizeListArray.from_arrays(pa.array(t[: n * S1]), S1)
+            rows_m = pa.FixedSizeListArray.from_arrays(pa.array(m[: n * S1]), S1)
+            writer.write_batch(pa.record_batch([rows_t, rows_m], schema=schema))
+            stats["rows"] += n
+        carry_t, carry_m = t[n * S1:], m[n * S1:]
+
+    def tokenize_pending(writer):
+        nonlocal pending, pending_bytes
+        texts = [text for segs, _ in pending for text, _ in segs]
+        ids = iter(tok.encode(texts))
+        for segs, _ in pending:
+            for _, target in segs:
+                piece = np.asarray(next(ids), dtype=np.int32)
+                buf_t.append(piece)
+                buf_m.append(np.full(len(piece), 1 if target else 0, np.uint8))
+            buf_t.append(np.array([tok.eos_id], np.int32))
+            buf_m.append(np.array([1 if opts.kind == "pretrain" else 0], np.uint8))
+            stats["documents"] += 1
+        stats["tokens"] += sum(len(x) for x in buf_t)
+        pending, pending_bytes = [], 0
+        write_rows(writer, final=False)
+
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        for where, rec in iter_records(task, cols):
+            try:
+                if isinstance(rec, BadRow):
+                    raise rec
+                segs = segments(rec, opts, tok, where)
+            except BadRow as e:
+                if opts.on_bad_row == "error":
+                    raise DataError(f"{e} (prepare with on_bad_row=skip to skip and count such rows)") from None
+                stats["skipped"][e.reason] = stats["skipped"].get(e.reason, 0) + 1
+                continue
+            pending.append((segs, where))
+            pending_bytes += sum(len(s) for s, _ in segs)
+            if pending_bytes >= opts.batch_mb * 2**20:
+                tokenize_pending(writer)
+        if pending:
+            tokenize_pending(writer)
+        write_rows(writer, final=True)
+        if stats["rows"] == 0:
+            writer.write_batch(pa.record_batch([pa.array([], pa.list_(pa.int32(), S1)),
+                                                pa.array([], pa.list_(pa.uint8(), S1))], schema=schema))
+    stats["seconds"] = time.perf_counter() - t0
+    stats["rss_growth_bytes"] = _rss_bytes() - rss0
+    stats["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return stats
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# ---------------------------------------------------------------------------- prepare
+def prepare(inputs: list[str], out: str, opts: PrepareOptions, log=print, num_cpus: int | None = None) -> dict:
+    """Tokenize ``inputs`` into packed shards under ``out`` with Ray tasks; returns the manifest."""
+    out_p = Path(out)
+    if out_p.exists():
+        raise DataError(f"{out}: already exists; prepare writes a new folder")
+    files = input_files(inputs)
+    tasks = plan_tasks(files, int(opts.split_mb * 2**20))
+    total_bytes = sum(os.path.getsize(p) for _, p in files)
+    tmp = out_p.with_name(out_p.name + f".tmp-{os.getpid()}")
+    tmp.mkdir(parents=True)
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                 object_store_memory=128 * 2**20, log_to_driver=False)
+    t0 = time.perf_counter()
+    try:
+        # A fresh worker process per task (max_calls=1), so a task's memory is its own.
+        fn = ray.remote(num_cpus=1, max_calls=1, max_retries=0)(run_task)
+        log(f"prepare: {len(files)} files, {total_bytes / 1e6:.1f} MB, {len(tasks)} tasks, "
+            f"{'tokenizer ' + opts.tokenizer if opts.tokenizer else 'byte-level tokens'}, seq_len {opts.seq_len}")
+        refs = {fn.remote(t, opts, str(tmp)): t for t in tasks}
+        results, waiting = {}, list(refs)
+        tokens = 0
+        while waiting:
+            done, waiting = ray.wait(waiting, num_returns=1)
+            try:
+                r = ray.get(done[0])
+            except ray.exceptions.RayTaskError as e:
+                for w in waiting:
+                    ray.cancel(w, force=True)
+                cause = getattr(e, "cause", None)
+                if isinstance(cause, DataError):
+                    raise cause from None
+                raise DataError(f"prepare task for {refs[done[0]].paths} failed: {cause or e}") from None
+            results[refs[done[0]].index] = r
+            tokens += r["tokens"]
+            dt = time.perf_counter() - t0
+            log(f"prepare: {len(results)}/{len(tasks)} tasks, {tokens:,} tokens, {tokens / dt:,.0f} tokens/s")
+        stats = [results[i] for i in range(len(tasks))]
+        rows = sum(s["rows"] for s in stats)
+        tok = TextTokenizer(opts.tokenizer)
+        skipped: dict[str, int] = {}
+        for s in stats:
+            for k, v in s["skipped"].items():
+                skipped[k] = skipped.get(k, 0) + v
+        if rows == 0:
+            raise DataError(f"{', '.join(inputs)}: no usable rows (skipped: {skipped or 'none'})")
+        manifest = {
+            "format": "megaray-shards-1", "seq_len": opts.seq_len, "kind": opts.kind,
+            "tokenizer": opts.tokenizer or "bytes", "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+            "rows": rows, "heldout_rows": min(rows - 1, math.ceil(rows * opts.holdout_fraction)),
+            "documents": sum(s["documents"] for s in stats), "tokens": sum(s["tokens"] for s in stats),
+            "skipped": skipped, "inputs": [p for _, p in files], "options": asdict(opts),
+            "shards": [{"file": s["shard"], "rows": s["rows"]} for s in stats],
+            "seconds": time.perf_counter() - t0,
+            "task_peak_rss_bytes": max(s["peak_rss_bytes"] for s in stats),
+            "task_rss_growth_bytes": max(s["rss_growth_bytes"] for s in stats),
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        tmp.rename(out_p)
+        log(f"prepare: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens in {rows:,} rows of "
+            f"{opts.seq_len + 1} ({manifest['heldout_rows']} held out) in {manifest['seconds']:.1f} s "
+            f"({manifest['tokens'] / manifest['seconds']:,.0f} tokens/s); skipped {skipped or 'none'} -> {out}")
+        return manifest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if started:
+            ray.shutdown()

@@ -21,6 +21,10 @@ class DataFeeder:
     def describe(self) -> str:
         return self.src.describe()
 
+    def has_heldout(self) -> bool:
+        """Whether the source holds out rows for the evaluation loss."""
+        return self.src.has_heldout()
+
     def step_batch(self, position: int, micro_batches: int | None = None, split: str = "train") -> dict:
         """The batch [micro_batches, micro_batch_size, seq_len + 1] that starts at stream
         ``position``, with the seconds it took to build."""

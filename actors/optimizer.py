@@ -58,8 +58,9 @@ class OptimizerShard:
             "optimizer_params_per_second": "This shard's AdamW update rate in its last step"})
 
     def kernel(self) -> str:
-        """Which AdamW runs here: the fused C kernel, or the torch fallback."""
-        return "fused C kernel" if self.adam.fused else "torch fallback"
+        """Which AdamW runs here (for the run's log)."""
+        o = self.cfg.optim
+        return self.adam.describe(self.h.master_dtype, o.moment_dtype, "float32", not self.h.aliased)
 
     def apply(self, step: int, lr: float) -> dict:
         """Apply step ``step`` to every piece of this shard as its gradient arrives.
@@ -106,7 +107,7 @@ class OptimizerShard:
         copy = None if self.h.aliased else self.buf.piece_compute(piece)
         self.adam.step(self.buf.piece_master(piece), grad, self.m[i], self.v[i],
                        hyper(lr, tuple(o.betas), o.eps, self.decay[i], t), copy,
-                       rounding_key(self.cfg.run.seed, piece.unit, t), piece.start)
+                       rounding_key(self.cfg.run.seed, piece.unit, t), piece.start, t)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, folder: str, k: int) -> dict:

@@ -141,6 +141,7 @@ class TrainingSession:
             self._call([w.join_group.remote(addr, port) for w in workers], "worker")
         ray.get(sched.attach.remote(workers, shards, [self.actor_name(f"optimizer-{k}") for k in range(len(shards))]))
         self.data_description = self._call(self.actors["data"].describe.remote(), "data")
+        self.has_heldout = self._call(self.actors["data"].has_heldout.remote(), "data")
         kernel = self._call(shards[0].kernel.remote(), "optimizer-0")
         log.info("run %s: %d layer units in %d gradient pieces, %d optimizer shards (AdamW: %s), a ring of "
                  "%d x %g MiB gradient slabs, %d worker(s) on %s", self.run_id, self.handles.num_units,
@@ -160,6 +161,10 @@ class TrainingSession:
         """One placement group (STRICT_PACK: one node) for every actor that shares memory."""
         bundle = self._bundle()
         have = ray.cluster_resources()
+        if not have.get("CPU"):
+            alive = sum(1 for nd in ray.nodes() if nd["Alive"])
+            raise MegarayError(f"the Ray cluster reports no CPUs ({alive} node(s) alive): its raylet may have died; "
+                               "restart Ray (ray stop; ray start --head) and run again")
         if any(have.get(k, 0) < v for k, v in bundle.items()):
             raise MegarayError(
                 f"the Ray cluster has {dict((k, have.get(k, 0)) for k in bundle)} but the run needs {bundle} "

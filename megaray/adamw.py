@@ -7,6 +7,12 @@ the host's bf16 compute copy when there is one, all in the same pass. Bytes move
 parameter: 28 with fp32 state and gradient (+2 with the compute copy), 26 with a bf16
 gradient, 18 with bf16 moments and gradient.
 
+Which code runs was chosen by measurement on the reference host (16 cores, BENCHMARKS.md,
+session 5): with fp32 master, moments and gradient and no compute copy, torch's own fused
+AdamW (``torch._fused_adamw_``, already one pass: 6.2 G params/s over 16 processes against the
+C kernel's 4.6); every other combination runs the C kernel (bf16 moments and gradients 7.9 G
+params/s against 2.7 for torch's upcasting path; with the compute copy 5.1 against 4.1).
+
 The kernel (``megaray/kernels/adamw.c``) is compiled on first use with the machine's C
 compiler into a per-user cache (``$XDG_CACHE_HOME/megaray`` or ``~/.cache/megaray``, else
 the temporary folder), keyed by the source, the flags and the CPU's features, and loaded
@@ -52,7 +58,8 @@ def _f32(x: float) -> float:
 
 @dataclass(frozen=True)
 class Hyper:
-    """One update's float32 scalars, derived once per (piece, step) by ``hyper``."""
+    """One update's float32 scalars, derived once per (piece, step) by ``hyper`` (and the
+    plain hyperparameters, for torch's fused path)."""
     grad_scale: float
     decay: float
     b1c: float
@@ -61,6 +68,10 @@ class Hyper:
     step_size: float
     bc2_sqrt: float
     eps: float
+    lr: float = 0.0
+    beta1: float = 0.9
+    weight_decay: float = 0.0
+    eps_raw: float = 1e-8
 
 
 def hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float, step: int,
@@ -69,7 +80,8 @@ def hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float
     b1, b2 = betas
     return Hyper(grad_scale=_f32(grad_scale), decay=_f32(1.0 - lr * weight_decay), b1c=_f32(1.0 - b1),
                  beta2=_f32(b2), b2c=_f32(1.0 - b2), step_size=_f32(lr / (1.0 - b1 ** step)),
-                 bc2_sqrt=_f32((1.0 - b2 ** step) ** 0.5), eps=_f32(eps))
+                 bc2_sqrt=_f32((1.0 - b2 ** step) ** 0.5), eps=_f32(eps), lr=lr, beta1=b1,
+                 weight_decay=weight_decay, eps_raw=eps)
 
 
 def mix32(x: int) -> int:
@@ -178,6 +190,12 @@ def _check(master, grad, m, v, copy) -> None:
     assert copy is None or (master.dtype == torch.float32 and copy.dtype == torch.bfloat16)
 
 
+def torch_fused_applies(master, grad, m, copy) -> bool:
+    """fp32 master, moments and gradient, no compute copy: torch's fused AdamW is the faster one."""
+    f32 = torch.float32
+    return master.dtype == grad.dtype == m.dtype == f32 and copy is None
+
+
 class AdamW:
     """AdamW updates of contiguous ranges with ``threads`` threads (the shard's own)."""
 
@@ -190,13 +208,23 @@ class AdamW:
     def fused(self) -> bool:
         return self.lib is not None
 
+    def describe(self, master_dtype: str, moment_dtype: str, grad_dtype: str, copy: bool) -> str:
+        """Which code updates this state (for the run's log)."""
+        if master_dtype == moment_dtype == grad_dtype == "float32" and not copy:
+            return "torch's fused AdamW (fp32 state)"
+        return "the fused C kernel" if self.fused else "the torch fallback of the C kernel (no C compiler)"
+
     def step(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: Hyper,
-             copy: torch.Tensor | None = None, sr_key: int = 0, offset: int = 0) -> None:
+             copy: torch.Tensor | None = None, sr_key: int = 0, offset: int = 0, adam_step: int = 1) -> None:
         """Update ``master`` (and ``copy``), ``m`` and ``v`` in place from ``grad``; ``offset`` is the
-        range's first element within its unit (stochastic rounding of a bf16 master)."""
+        range's first element within its unit (stochastic rounding of a bf16 master); ``adam_step``
+        is the update's 1-based count (torch's fused path takes it)."""
         _check(master, grad, m, v, copy)
         n = master.numel()
         if n == 0:
+            return
+        if torch_fused_applies(master, grad, m, copy):
+            self._torch_fused(master, grad, m, v, h, adam_step)
             return
         run = self._kernel_range if self.lib is not None else _torch_range
         if self.pool is None or n < 2 * CHUNK:
@@ -208,6 +236,15 @@ class AdamW:
                 for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
         for f in futs:
             f.result()
+
+    def _torch_fused(self, master, grad, m, v, h: Hyper, adam_step: int) -> None:
+        """torch's fused AdamW on fp32 state, the gradient scaled first when clipping applies
+        (a multiply in fp32, as the worker's on the device)."""
+        if h.grad_scale != 1.0:
+            grad = grad * h.grad_scale
+        torch._fused_adamw_([master], [grad], [m], [v], [], [torch.tensor(float(adam_step))], lr=h.lr,
+                            beta1=h.beta1, beta2=h.beta2, weight_decay=h.weight_decay, eps=h.eps_raw,
+                            amsgrad=False, maximize=False)
 
     def _kernel_range(self, master, grad, m, v, h: Hyper, copy, sr_key: int, offset: int, a: int, b: int) -> None:
         def ptr(t):

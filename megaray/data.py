@@ -78,12 +78,16 @@ class ByteCorpus:
         idx = starts[:, None] + np.arange(self.seq_len + 1)[None, :]
         return {"tokens": src[idx].astype(np.int64)}
 
+    def has_heldout(self) -> bool:
+        return len(self.heldout) > self.seq_len + 1
+
     def describe(self) -> str:
         return f"{len(self.train)} train / {len(self.heldout)} held-out {self.kind} tokens from the standard library"
 
 
 def open_source(cfg: RunConfig):
-    """The configured data source: something with ``rows_at(position, n, split)`` and ``describe()``."""
+    """The configured data source: something with ``rows_at(position, n, split)``,
+    ``has_heldout()`` and ``describe()``."""
     if cfg.data.source == "shards":
         return ShardDataset(cfg.data.path, cfg.train.seq_len, cfg.model.vocab_size, cfg.run.seed, cfg.data.shuffle)
     return ByteCorpus(cfg.data, model_tokenizer(cfg.model.from_path), cfg.model.vocab_size, cfg.train.seq_len,

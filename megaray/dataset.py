@@ -29,7 +29,11 @@ class ShardDataset:
         mf = self.path / "manifest.json"
         if not mf.is_file():
             raise DataError(f"{path}: no manifest.json (not a folder written by megaray prepare, or incomplete)")
-        self.manifest = m = json.loads(mf.read_text())
+        try:
+            self.manifest = m = json.loads(mf.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DataError(f"{mf} is not valid JSON: {e}") from None
+        _check_manifest(mf, m)
         if m.get("seq_len") != seq_len:
             raise DataError(f"{path}: shards hold rows of seq_len {m.get('seq_len')}, but train.seq_len is {seq_len}")
         if m.get("vocab_size", 0) > vocab_size:
@@ -53,15 +57,20 @@ class ShardDataset:
                     self._blocks.append((row, sh["file"], in_file, t, mk))
                     row += batch.num_rows
                     in_file += batch.num_rows
-            except (OSError, pa.ArrowInvalid, KeyError) as e:
+            except (OSError, pa.ArrowInvalid, KeyError, ValueError) as e:
                 raise DataError(f"{f}: unreadable shard ({e})") from None
             if in_file != sh["rows"]:
                 raise DataError(f"{f}: {in_file} rows, the manifest says {sh['rows']}")
         self.rows = row
+        if row != m["rows"]:
+            raise DataError(f"{mf}: 'rows' says {m['rows']}, the shards hold {row}")
         self.heldout_rows = m["heldout_rows"]
         self.train_rows = row - self.heldout_rows
         self._starts = np.array([b[0] for b in self._blocks])
         self._perm: tuple[int, np.ndarray] | None = None
+
+    def has_heldout(self) -> bool:
+        return self.heldout_rows > 0
 
     def describe(self) -> str:
         m = self.manifest
@@ -99,3 +108,24 @@ class ShardDataset:
                 raise DataError(f"{where}: token id {bad} is outside the model's vocabulary of {self.vocab_size}")
             toks[j], mask[j] = t, mk
         return {"tokens": toks, "loss_mask": mask}
+
+
+def _check_manifest(path: Path, m) -> None:
+    """The keys the reader relies on, with sane values, before any shard is opened."""
+    if not isinstance(m, dict):
+        raise DataError(f"{path}: not a JSON object")
+    for key in ("seq_len", "rows", "heldout_rows"):
+        if not isinstance(m.get(key), int) or isinstance(m.get(key), bool) or m[key] < 0:
+            raise DataError(f"{path}: '{key}' must be a non-negative integer (got {m.get(key)!r})")
+    if not m["heldout_rows"] < m["rows"]:
+        raise DataError(f"{path}: 'heldout_rows' ({m['heldout_rows']}) leaves no training rows of {m['rows']}")
+    shards = m.get("shards")
+    if not isinstance(shards, list) or not shards:
+        raise DataError(f"{path}: 'shards' must be a non-empty list")
+    for k, sh in enumerate(shards):
+        if not (isinstance(sh, dict) and isinstance(sh.get("file"), str) and isinstance(sh.get("rows"), int)
+                and "/" not in sh["file"] and sh["rows"] >= 0):
+            raise DataError(f"{path}: shards[{k}] must be {{'file': a file name, 'rows': a count}} (got {sh!r})")
+        if not (path.parent / sh["file"]).is_file():
+            raise DataError(f"{path}: shards[{k}] names {sh['file']}, which is not in {path.parent}")
+

@@ -122,6 +122,7 @@ class PrepareOptions:
     tokenizer: str | None = None            # a model directory with tokenizer.json, or bytes
     on_bad_row: str = "error"               # error | skip
     holdout_fraction: float = 0.01
+    max_undecodable: float = 0.001          # share of a text file's bytes that may be invalid UTF-8
     split_mb: float = 64.0                  # input bytes per prepare task
     batch_mb: float = 4.0                   # text tokenized at once inside a task
 
@@ -134,6 +135,8 @@ class PrepareOptions:
             raise DataError(f"seq_len must be >= 2 (got {self.seq_len})")
         if not 0 <= self.holdout_fraction < 0.5:
             raise DataError(f"holdout_fraction must be in [0, 0.5) (got {self.holdout_fraction})")
+        if not 0 <= self.max_undecodable <= 1:
+            raise DataError(f"max_undecodable must be in [0, 1] (got {self.max_undecodable})")
 
 
 @dataclass
@@ -229,12 +232,30 @@ def plan_tasks(files: list[tuple[str, str]], split_bytes: int) -> list[Task]:
 
 
 # ---------------------------------------------------------------------------- records
-def iter_records(task: Task, columns: list[str]):
+def read_text_file(path: str, max_undecodable: float, counts: dict):
+    """A text file as one record; invalid UTF-8 bytes become U+FFFD and are counted
+    (``counts["undecodable_bytes"]``), and a file with more than ``max_undecodable`` of its
+    bytes invalid (binary data, another encoding) is a bad row."""
+    raw = Path(path).read_bytes()
+    try:
+        return {"text": raw.decode("utf-8")}
+    except UnicodeDecodeError:
+        pass
+    bad = len(raw) - len(raw.decode("utf-8", errors="ignore").encode("utf-8"))
+    if bad > max_undecodable * len(raw):
+        return BadRow("not UTF-8 text", f"{path}: {bad} of {len(raw)} bytes are not valid UTF-8 (binary data or "
+                                        f"another encoding?); the limit is --max-undecodable {max_undecodable}")
+    counts["undecodable_bytes"] = counts.get("undecodable_bytes", 0) + bad
+    return {"text": raw.decode("utf-8", errors="replace")}
+
+
+def iter_records(task: Task, columns: list[str], max_undecodable: float = 0.001, counts: dict | None = None):
     """(where, record) pairs of a task, ``where`` naming the file and the line or row;
     a malformed record comes as (where, BadRow)."""
+    counts = {} if counts is None else counts
     if task.kind == "text":
         for path in task.paths:
-            yield f"{path}", {"text": Path(path).read_text(encoding="utf-8", errors="replace")}
+            yield f"{path}", read_text_file(path, max_undecodable, counts)
     elif task.kind == "jsonl":
         path = task.paths[0]
         with open(path, "rb") as f:
@@ -332,7 +353,9 @@ def run_task(task: Task, opts: PrepareOptions, out_dir: str) -> dict:
                                                                  opts.response_column]
     schema = pa.schema([("tokens", pa.list_(pa.int32(), S1)), ("mask", pa.list_(pa.uint8(), S1))])
     path = os.path.join(out_dir, f"shard-{task.index:05d}.arrow")
-    stats = {"shard": os.path.basename(path), "rows": 0, "documents": 0, "tokens": 0, "skipped": {}}
+    stats = {"shard": os.path.basename(path), "rows": 0, "documents": 0, "tokens": 0, "skipped": {},
+             "undecodable_bytes": 0}
+    counts: dict = {}
     buf_t: list[np.ndarray] = []
     buf_m: list[np.ndarray] = []
     pending: list[tuple[list[tuple[str, bool]], str]] = []
@@ -376,14 +399,14 @@ def run_task(task: Task, opts: PrepareOptions, out_dir: str) -> dict:
         write_rows(writer, final=False)
 
     with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-        for where, rec in iter_records(task, cols):
+        for where, rec in iter_records(task, cols, opts.max_undecodable, counts):
             try:
                 if isinstance(rec, BadRow):
                     raise rec
                 segs = segments(rec, opts, tok, where)
             except BadRow as e:
                 if opts.on_bad_row == "error":
-                    raise DataError(f"{e} (prepare with on_bad_row=skip to skip and count such rows)") from None
+                    raise DataError(f"{e} (prepare with --on-bad-row skip to skip and count such rows)") from None
                 stats["skipped"][e.reason] = stats["skipped"].get(e.reason, 0) + 1
                 continue
             pending.append((segs, where))
@@ -396,6 +419,7 @@ def run_task(task: Task, opts: PrepareOptions, out_dir: str) -> dict:
         if stats["rows"] == 0:
             writer.write_batch(pa.record_batch([pa.array([], pa.list_(pa.int32(), S1)),
                                                 pa.array([], pa.list_(pa.uint8(), S1))], schema=schema))
+    stats["undecodable_bytes"] = counts.get("undecodable_bytes", 0)
     stats["seconds"] = time.perf_counter() - t0
     stats["rss_growth_bytes"] = _rss_bytes() - rss0
     stats["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -460,7 +484,8 @@ def prepare(inputs: list[str], out: str, opts: PrepareOptions, log=print, num_cp
             "tokenizer": opts.tokenizer or "bytes", "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
             "rows": rows, "heldout_rows": min(rows - 1, math.ceil(rows * opts.holdout_fraction)),
             "documents": sum(s["documents"] for s in stats), "tokens": sum(s["tokens"] for s in stats),
-            "skipped": skipped, "inputs": [p for _, p in files], "options": asdict(opts),
+            "skipped": skipped, "undecodable_bytes": sum(s["undecodable_bytes"] for s in stats),
+            "inputs": [p for _, p in files], "options": asdict(opts),
             "shards": [{"file": s["shard"], "rows": s["rows"]} for s in stats],
             "seconds": time.perf_counter() - t0,
             "task_peak_rss_bytes": max(s["peak_rss_bytes"] for s in stats),
@@ -470,7 +495,8 @@ def prepare(inputs: list[str], out: str, opts: PrepareOptions, log=print, num_cp
         tmp.rename(out_p)
         log(f"prepare: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens in {rows:,} rows of "
             f"{opts.seq_len + 1} ({manifest['heldout_rows']} held out) in {manifest['seconds']:.1f} s "
-            f"({manifest['tokens'] / manifest['seconds']:,.0f} tokens/s); skipped {skipped or 'none'} -> {out}")
+            f"({manifest['tokens'] / manifest['seconds']:,.0f} tokens/s); skipped {skipped or 'none'}; "
+            f"{manifest['undecodable_bytes']} bytes not UTF-8 replaced -> {out}")
         return manifest
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

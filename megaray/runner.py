@@ -20,6 +20,7 @@ actors from the last checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ import ray
 from megaray.actors.session import TrainingSession, new_run_id
 from megaray.checkpoint import Checkpointer
 from megaray.config import RunConfig
-from megaray.errors import ActorFailure, CheckpointError, RunStopped, TrainingDiverged
+from megaray.errors import ActorFailure, CheckpointError, ConfigError, RunStopped, TrainingDiverged
 from megaray.loader import dump_config
 
 log = logging.getLogger("megaray")
@@ -112,12 +113,16 @@ class RunLog:
 
         self.cfg = cfg
         self.dir = Path(cfg.run.dir) / run_id
-        self.dir.mkdir(parents=True, exist_ok=False)
-        (self.dir / "config.yaml").write_text(dump_config(cfg))
+        try:
+            self.dir.mkdir(parents=True, exist_ok=False)
+            (self.dir / "config.yaml").write_text(dump_config(cfg))
+            self.metrics = open(self.dir / "metrics.jsonl", "w")
+        except OSError as e:
+            raise ConfigError("run.dir", f"cannot write the run directory {self.dir}: {e.strerror or e}") from None
         self._handler = self._setup_logging()
         self.tb = SummaryWriter(str(self.dir / "tb"))
         self.tb.add_text("config", "```\n" + dump_config(cfg) + "\n```", 0)
-        self.metrics = open(self.dir / "metrics.jsonl", "w")
+        self.write_errors = 0
         self.summary: dict = {"run_id": run_id, "run_dir": str(self.dir), "status": "running"}
         self.progress: Progress | None = None
 
@@ -142,33 +147,48 @@ class RunLog:
 
     def record(self, step: int, m: dict) -> None:
         self.progress.update(m)
-        for key in TB_SCALARS:
-            self.tb.add_scalar(f"train/{key}", m[key], step)
-        self.metrics.write(json.dumps(m) + "\n")
-        self.metrics.flush()
+        try:
+            for key in TB_SCALARS:
+                self.tb.add_scalar(f"train/{key}", m[key], step)
+            self.metrics.write(json.dumps(m) + "\n")
+            self.metrics.flush()
+        except OSError as e:          # a full or vanished run directory: the training goes on
+            self.write_errors += 1
+            if self.write_errors == 1:
+                log.error("cannot write to the run directory %s (%s); training goes on, checkpoints are "
+                          "written elsewhere as configured", self.dir, e.strerror or e)
+            self.summary["run_dir_write_errors"] = self.write_errors
 
     def write_summary(self) -> None:
-        tmp = self.dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(self.summary, indent=2) + "\n")
-        os.replace(tmp, self.dir / "summary.json")
+        try:
+            tmp = self.dir / "summary.json.tmp"
+            tmp.write_text(json.dumps(self.summary, indent=2) + "\n")
+            os.replace(tmp, self.dir / "summary.json")
+        except OSError as e:
+            log.error("cannot write %s: %s", self.dir / "summary.json", e.strerror or e)
 
     def close(self) -> None:
-        self.tb.close()
-        self.metrics.close()
+        try:
+            self.tb.close()
+            self.metrics.close()
+        except OSError:
+            pass
         self.write_summary()
         logging.getLogger("megaray").removeHandler(self._handler)
         self._handler.close()
 
 
 class Evaluator:
-    """The held-out loss, every ``train.eval_every`` steps and at the end."""
+    """The held-out loss, every ``train.eval_every`` steps and at the end (none when the
+    data holds nothing out)."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
+        self.enabled = True
 
     def due(self, step: int) -> bool:
         ev = self.cfg.train.eval_every
-        return bool(ev) and step % ev == 0 and step < self.cfg.train.steps
+        return self.enabled and bool(ev) and step % ev == 0 and step < self.cfg.train.steps
 
 
 class RestartPolicy:
@@ -200,6 +220,24 @@ class _StopFlag:
     def restore(self):
         if self._old is not None:
             signal.signal(signal.SIGTERM, self._old)
+
+
+def _cleaning_up(signum, frame) -> None:
+    log.warning("stopping: the run's actors and shared memory are being freed, one moment")
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Ctrl-C is answered with a message instead of an exception while the body runs (the
+    teardown of a run: cut short, it would leave actors and shared memory behind)."""
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        old = signal.signal(signal.SIGINT, _cleaning_up)
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
 
 
 class Trainer:
@@ -258,6 +296,10 @@ class Trainer:
     def loop(self) -> None:
         cfg, s = self.cfg, self.summary
         log.info("data: %s", self.session.data_description)
+        if not self.session.has_heldout:
+            self.evaluator.enabled = False
+            log.warning("the data holds no rows out (data.holdout_fraction, or prepare --holdout-fraction): "
+                        "no held-out loss is measured")
         first = self.step
         s["first_step"] = first
         weights = "read from the master"
@@ -349,8 +391,10 @@ class Trainer:
         held-out loss and the summary."""
         cfg, s = self.cfg, self.summary
         final = self.ckpt.save_final(self.session, cfg.train.steps, self._trainer_state())
-        eval_loss = self._evaluate(cfg.train.steps)
-        self.runlog.tb.add_scalar("eval/loss", eval_loss, cfg.train.steps - 1)
+        eval_loss = None
+        if self.evaluator.enabled:
+            eval_loss = self._evaluate(cfg.train.steps)
+            self.runlog.tb.add_scalar("eval/loss", eval_loss, cfg.train.steps - 1)
         wall = time.perf_counter() - self.t_start
         tail = self.losses[-min(10, len(self.losses)):] or [float("nan")]
         t = self.data_t
@@ -366,11 +410,17 @@ class Trainer:
         if self.ckpt.failed:
             s["failed_checkpoints"] = self.ckpt.failed
         if self.losses:
-            log.info("done: loss %.4f -> %.4f (mean of last %d), held-out %.4f, %s",
-                     self.losses[0], s["last_loss"], len(tail), eval_loss, _fmt_time(wall))
+            held = f"held-out {eval_loss:.4f}" if eval_loss is not None else "no held-out loss"
+            log.info("done: loss %.4f -> %.4f (mean of last %d), %s, %s",
+                     self.losses[0], s["last_loss"], len(tail), held, _fmt_time(wall))
         return s
 
     def close(self) -> None:
+        """Tear everything down; a second Ctrl-C meanwhile cannot cut the cleanup short."""
+        with interrupts_held():
+            self._close()
+
+    def _close(self) -> None:
         if self.stop is not None:
             self.stop.restore()
         if self.session is not None:

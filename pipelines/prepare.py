@@ -20,7 +20,11 @@ def main(argv: list[str] | None = None, prog: str = "megaray prepare") -> int:
     p.add_argument("--messages-column", default="messages")
     p.add_argument("--on-bad-row", default="error", choices=["error", "skip"],
                    help="stop at the first bad row (naming it), or skip and count bad rows")
-    p.add_argument("--holdout-fraction", type=float, default=0.01)
+    p.add_argument("--holdout-fraction", type=float, default=0.01,
+                   help="share of the rows held out for the evaluation loss (0: no evaluation)")
+    p.add_argument("--max-undecodable", type=float, default=0.001,
+                   help="share of a text file's bytes that may be invalid UTF-8 (replaced and counted); a file "
+                        "with more is a bad row")
     p.add_argument("--split-mb", type=float, default=64.0, help="input MB per Ray task")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray that prepare starts (default: all)")
     a = p.parse_args(argv)
@@ -31,7 +35,8 @@ def main(argv: list[str] | None = None, prog: str = "megaray prepare") -> int:
         opts = PrepareOptions(seq_len=a.seq_len, kind=a.kind, text_column=a.text_column,
                               prompt_column=a.prompt_column, response_column=a.response_column,
                               messages_column=a.messages_column, tokenizer=a.tokenizer, on_bad_row=a.on_bad_row,
-                              holdout_fraction=a.holdout_fraction, split_mb=a.split_mb)
+                              holdout_fraction=a.holdout_fraction, max_undecodable=a.max_undecodable,
+                              split_mb=a.split_mb)
         prepare(a.inputs, a.out, opts, log=lambda s: print(s, flush=True), num_cpus=a.num_cpus)
     except DataError as e:
         print(f"megaray: data error: {e}", file=sys.stderr)

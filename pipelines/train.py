@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray train") -> int:
     except ConfigError as e:
         print(f"megaray: config error: {e}", file=sys.stderr)
         return 2
-    from megaray.runner import connect_ray, train
+    from megaray.runner import connect_ray, interrupts_held, train
 
     started = connect_ray(cfg)
     try:
@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None, prog: str = "megaray train") -> int:
         if started:
             import ray
 
-            ray.shutdown()
+            with interrupts_held():
+                ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -119,6 +119,26 @@ def test_resume_with_other_shards_and_slabs_is_bit_for_bit(reference_run, tmp_pa
     assert sorted(k for k in m["parts"] if k.startswith("optim-")) == [f"optim-{k}.bin" for k in range(n_shards)]
 
 
+@pytest.mark.parametrize("opts", [["optim.moment_dtype=bfloat16"],
+                                  ["train.compute_dtype=bfloat16", "optim.compute_copy=host"]],
+                         ids=["bf16-moments", "bf16-copy-on-the-host"])
+def test_each_state_dtype_resumes_bit_for_bit(ray_cluster, tmp_path, opts):
+    """The C kernel's state combinations (bf16 moments rounded to nearest; the host's bf16
+    compute copy written in the same pass) resume exactly as they would have continued."""
+    ref = train(_cfg(tmp_path / "ref", "checkpoint.resume=null", *opts))
+
+    def interrupt(step, session):
+        if step == 4:
+            raise KeyError("interrupt")
+
+    with pytest.raises(KeyError):
+        train(_cfg(tmp_path, "checkpoint.every=3", *opts), on_step=interrupt)
+    s = train(_cfg(tmp_path, *opts))
+    assert s["first_step"] == 3 and _losses(s) == {k: v for k, v in _losses(ref).items() if k >= 3}
+    assert _master(Path(s["checkpoint"])) == _master(Path(ref["checkpoint"]))
+    assert "AdamW: the fused C kernel" in (Path(s["run_dir"]) / "train.log").read_text()
+
+
 def test_bf16_master_and_moments_train_resume_and_export(ray_cluster, tmp_path):
     """The reduced-precision options end to end: a run learns, resumes bit for bit from its
     own checkpoint, refuses a checkpoint of the other master dtype, and exports fp32."""

@@ -1,0 +1,29 @@
+"""Clean entrypoint: ``megaray clean [--shm-dir /dev/shm]`` deletes the shared-memory files of
+runs whose driver process is dead (a driver killed with SIGKILL cannot delete its own), and
+never those of a live run. A later ``megaray train`` does the same when it starts."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv: list[str] | None = None, prog: str = "megaray clean") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p.add_argument("--shm-dir", default="/dev/shm", help="the runs' cluster.shm_dir")
+    a = p.parse_args(argv)
+    from megaray.shm import remove_stale
+
+    if not os.path.isdir(a.shm_dir):
+        print(f"megaray: {a.shm_dir} is not a folder", file=sys.stderr)
+        return 2
+    removed = remove_stale(a.shm_dir)
+    for path in removed:
+        print(f"removed {path}")
+    print(f"megaray: removed {len(removed)} shared-memory file(s) of dead runs from {a.shm_dir}"
+          + ("" if removed else " (none left behind)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(prog="python -m megaray.pipelines.clean"))

@@ -1,0 +1,267 @@
+"""Never lose a run, never report success for one that was lost: the cases a careless or
+hostile user met (issue 19), each with the exit status or error, the message, and what is on
+disk afterwards. Disks that fill up or refuse writes are real small tmpfs mounts."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import shm_files
+
+from megaray.checkpoint import Checkpoint, Checkpointer, complete_checkpoints
+from megaray.dataset import ShardDataset
+from megaray.errors import CheckpointError, ConfigError, DataError
+from megaray.loader import load_config
+from megaray.prepare import PrepareOptions, prepare
+from megaray.runner import train
+
+BASE = ["train.steps=4", "train.log_every=1", "train.eval_batches=1", "data.max_bytes=50000", "checkpoint.every=2"]
+
+
+def _cfg(tmp: Path, *extra: str):
+    return load_config("debug", [*BASE, f"run.dir={tmp}", *extra])
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    """Every file of a checkpoint folder (the lock file only names who holds the folder now)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+@contextlib.contextmanager
+def _mount(path: Path, options: str):
+    path.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], capture_output=True)
+
+
+# 1 -------------------------------------------------------------------------------------------
+def test_a_checkpoint_folder_of_another_model_is_refused_and_left_alone(ray_cluster, tmp_path):
+    train(_cfg(tmp_path, "run.name=x"))
+    folder = tmp_path / "checkpoints" / "x"
+    before = _tree(folder)
+    with pytest.raises(CheckpointError, match=r"belongs to another model \(model.num_hidden_layers: 2 there, 3 here"):
+        train(_cfg(tmp_path, "run.name=x", "model.num_hidden_layers=3", "train.steps=6"))
+    assert _tree(folder) == before                              # nothing deleted, nothing overwritten
+    # starting fresh is explicit, and lands in a folder of its own
+    s = train(_cfg(tmp_path, "run.name=x", "model.num_hidden_layers=3", "checkpoint.resume=null"))
+    assert Path(s["checkpoint"]).parent.name == s["run_id"] and _tree(folder) == before
+    assert shm_files() == []
+
+
+# 2 -------------------------------------------------------------------------------------------
+def test_a_read_only_checkpoint_folder_fails_before_training(ray_cluster, tmp_path):
+    with _mount(tmp_path / "ro", "size=1m,ro") as ro:
+        t0 = time.perf_counter()
+        with pytest.raises(CheckpointError, match="cannot use the checkpoint folder .*ro"):
+            train(_cfg(tmp_path, f"checkpoint.dir={ro}"))
+        (run,) = tmp_path.glob("debug-*")
+        assert (run / "metrics.jsonl").read_text() == ""        # not one step trained for nothing
+        assert json.loads((run / "summary.json").read_text())["status"] == "failed"
+        assert time.perf_counter() - t0 < 60
+
+
+# 3 -------------------------------------------------------------------------------------------
+def test_data_without_held_out_rows_trains_saves_and_says_so(ray_cluster, tmp_path):
+    (tmp_path / "in.txt").write_text("abcdefgh " * 4000)
+    prepare([str(tmp_path / "in.txt")], str(tmp_path / "shards"), PrepareOptions(seq_len=32, holdout_fraction=0))
+    s = train(_cfg(tmp_path, "data.source=shards", f"data.path={tmp_path / 'shards'}", "train.seq_len=32"))
+    assert s["status"] == "succeeded" and s["heldout_loss"] is None
+    assert Checkpoint(s["checkpoint"]).step == 4
+    assert "no held-out loss is measured" in (Path(s["run_dir"]) / "train.log").read_text()
+
+
+# 4 -------------------------------------------------------------------------------------------
+def test_every_part_is_verified_with_fallback(ray_cluster, tmp_path):
+    train(_cfg(tmp_path, "checkpoint.keep=3"))
+    newest = complete_checkpoints(tmp_path / "checkpoints" / "debug")[0]
+    data = bytearray((newest / "trainer.json").read_bytes())
+    data[data.index(b'"next_step": 4')+13] = ord("3")               # the same size, one digit changed
+    (newest / "trainer.json").write_bytes(bytes(data))
+    s = train(_cfg(tmp_path, "train.steps=6"))
+    assert s["first_step"] == 2                                   # fell back to step 2
+    assert "trainer.json is corrupt" in (Path(s["run_dir"]) / "train.log").read_text()
+
+
+# 5 -------------------------------------------------------------------------------------------
+def test_a_gpu_run_without_a_gpu_fails_at_once(ray_cluster, tmp_path):
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match="worker.device.*needs 1 GPU.*has 0"):
+        train(_cfg(tmp_path, "worker.device=cuda"))
+    assert time.perf_counter() - t0 < 60 and shm_files() == []
+
+
+# 6 -------------------------------------------------------------------------------------------
+def test_a_second_live_run_of_the_same_name_is_refused(ray_cluster, tmp_path):
+    cfg = _cfg(tmp_path, "run.name=twin")
+    holder = Checkpointer(cfg, "twin-live", logging.getLogger("test"))      # a live run holds the folder
+    try:
+        with pytest.raises(CheckpointError, match="in use by a live run \\(run twin-live"):
+            train(cfg)
+        assert complete_checkpoints(holder.root) == []
+    finally:
+        holder.close()
+    assert train(cfg)["status"] == "succeeded"                   # once it is gone the folder is free
+
+
+# 7 -------------------------------------------------------------------------------------------
+def test_resuming_past_train_steps_is_refused(ray_cluster, tmp_path):
+    train(_cfg(tmp_path, "run.name=y"))
+    folder = tmp_path / "checkpoints" / "y"
+    before = _tree(folder)
+    with pytest.raises(ConfigError, match="train.steps.*2 is below the step of .*step-00000004"):
+        train(_cfg(tmp_path, "run.name=y", "train.steps=2"))
+    assert _tree(folder) == before
+
+
+# 8 -------------------------------------------------------------------------------------------
+def _hf_dir(tmp: Path, cfg) -> str:
+    d = tmp / "hf"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+@pytest.mark.parametrize("hf, words", [
+    ([1, 2], "holds a JSON list"),
+    ({"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2,
+      "num_attention_heads": 4}, "lacks the required key.*intermediate_size"),
+    ({"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 2,
+      "num_attention_heads": 0, "intermediate_size": 64}, "num_attention_heads=0 must be positive"),
+], ids=["list", "missing-key", "zero-heads"])
+def test_bad_model_config_json_is_a_named_error(tmp_path, hf, words):
+    with pytest.raises(ConfigError, match=f"model.from.*{words}"):
+        load_config("debug", [f"model.from={_hf_dir(tmp_path, hf)}"])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("cluster.num_cpus=-2", "cluster.num_cpus"), ("cluster.object_store_mb=-5", "cluster.object_store_mb"),
+    ("run.seed=-1", "run.seed"), ("run.name=../../etc", "run.name"), ("train.eval_batches=-3", "train.eval_batches"),
+    ("optim.lr=.inf", "optim.lr"),
+])
+def test_bad_values_name_their_key(override, key):
+    with pytest.raises(ConfigError) as e:
+        load_config("debug", [override])
+    assert e.value.key == key
+    if key == "optim.lr":
+        assert "must be a finite number" in str(e.value)
+
+
+def _shards(tmp: Path) -> Path:
+    (tmp / "in.txt").write_text("the quick brown fox " * 2000)
+    out = tmp / "shards"
+    prepare([str(tmp / "in.txt")], str(out), PrepareOptions(seq_len=32, holdout_fraction=0.1))
+    return out
+
+
+@pytest.mark.parametrize("lie, words", [
+    ({"heldout_rows": 10**6}, "'heldout_rows' .* leaves no training rows"),
+    ({"shards": [{"file": "shard-99999.arrow", "rows": 3}]}, "names shard-99999.arrow, which is not in"),
+    ({"shards": "all of them"}, "'shards' must be a non-empty list"),
+    ({"rows": "+5"}, "'rows' says .*, the shards hold"),
+], ids=["heldout", "missing-shard", "shards-not-a-list", "rows"])
+def test_a_lying_shard_manifest_is_a_named_error(ray_cluster, tmp_path, lie, words):
+    out = _shards(tmp_path)
+    m = json.loads((out / "manifest.json").read_text())
+    m.update({k: m[k] + int(v) if isinstance(v, str) and v.startswith("+") else v for k, v in lie.items()})
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(DataError, match=words) as e:
+        ShardDataset(str(out), 32, 256, 0)
+    assert "manifest.json" in str(e.value)
+
+
+def test_a_read_only_run_dir_is_a_named_error(ray_cluster, tmp_path):
+    with _mount(tmp_path / "ro", "size=1m,ro") as ro:
+        with pytest.raises(ConfigError, match="run.dir.*cannot write the run directory"):
+            train(_cfg(ro))
+    assert shm_files() == []
+
+
+# 9 -------------------------------------------------------------------------------------------
+def test_what_users_write_is_understood(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("optim:\n  eps: 1e-8\n  lr: 3e-4\n")               # YAML 1.1 reads both as strings
+    cfg = load_config(str(p))
+    assert cfg.optim.eps == 1e-8 and cfg.optim.lr == 3e-4
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match="empty.yaml is empty"):
+        load_config(str(tmp_path / "empty.yaml"))
+
+
+def test_the_bad_row_hint_names_the_flag(ray_cluster, tmp_path):
+    (tmp_path / "in.jsonl").write_text('{"text": "fine"}\n[1, 2]\n')
+    with pytest.raises(DataError, match="in.jsonl line 2.*--on-bad-row skip"):
+        prepare([str(tmp_path / "in.jsonl")], str(tmp_path / "out"), PrepareOptions(seq_len=32))
+
+
+# 10 ------------------------------------------------------------------------------------------
+def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megaray.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+
+
+def test_plan_on_the_cpu_counts_what_train_counts():
+    p = _cli("plan", "debug", "worker.device=cpu")
+    assert p.returncode == 0, p.stderr
+    assert "step gradients held by the worker (CPU device)" in p.stdout
+    deep = _cli("plan", "debug", "model.num_hidden_layers=100000", "worker.device=cpu")
+    assert "host memory" in deep.stdout, deep.stderr        # a deep model's plan answers (not minutes of walk)
+
+
+# 11 ------------------------------------------------------------------------------------------
+def test_binary_text_is_refused_and_a_stray_byte_is_counted(ray_cluster, tmp_path):
+    rng = np.random.default_rng(0)
+    (tmp_path / "noise.txt").write_bytes(rng.integers(0, 256, 200_000, dtype=np.uint8).tobytes())
+    with pytest.raises(DataError, match="noise.txt: .* bytes are not valid UTF-8.*--on-bad-row skip"):
+        prepare([str(tmp_path / "noise.txt")], str(tmp_path / "a"), PrepareOptions(seq_len=32))
+    (tmp_path / "text.txt").write_bytes(("plain words " * 2000).encode() + b"\xff")
+    m = prepare([str(tmp_path / "noise.txt"), str(tmp_path / "text.txt")], str(tmp_path / "b"),
+                PrepareOptions(seq_len=32, on_bad_row="skip"))
+    assert m["skipped"] == {"not UTF-8 text": 1} and m["undecodable_bytes"] == 1
+    assert m["documents"] == 1
+
+
+# 12 ------------------------------------------------------------------------------------------
+def test_megaray_clean_removes_only_dead_runs_files(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / f"megaray_{dead}_r-1_master").write_bytes(b"x")
+    (tmp_path / f"megaray_{os.getpid()}_r-2_master").write_bytes(b"x")
+    p = _cli("clean", "--shm-dir", str(tmp_path))
+    assert p.returncode == 0 and "removed 1 shared-memory file" in p.stdout
+    assert sorted(f.name for f in tmp_path.iterdir()) == [f"megaray_{os.getpid()}_r-2_master"]
+
+
+def test_ctrl_c_twice_still_cleans_up(tmp_path):
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    proc = subprocess.Popen([sys.executable, "-m", "megaray.pipelines.train", "debug", "train.steps=100000",
+                             "data.max_bytes=50000", f"run.dir={tmp_path}", "cluster.num_cpus=4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    t0 = time.time()
+    while time.time() - t0 < 180:
+        logs = list(tmp_path.glob("debug-*/train.log"))
+        if logs and logs[0].read_text().count(" INFO step ") >= 3:
+            break
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)                               # impatient: again, during the cleanup
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert shm_files(pid=proc.pid) == []
+    (summary,) = [json.loads(p.read_text()) for p in tmp_path.glob("debug-*/summary.json")]
+    assert summary["status"] == "failed" and "KeyboardInterrupt" in summary["error"]

@@ -21,7 +21,18 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     p.add_argument("--checkpoint-dir", help="also time writing and loading one checkpoint here")
     p.add_argument("--optimizer-scaling", help="also run megaray alone with these shard counts, e.g. 1,2,4,8, "
                    "sharing this machine's cores")
+    p.add_argument("--adamw-alone", metavar="PxT,...", help="instead: the CPU AdamW alone, for every state "
+                   "combination, P processes x T threads each, e.g. 1x16,4x4,8x2,16x1 (no GPU needed)")
     a = p.parse_args(argv)
+    if a.adamw_alone:
+        from megaray.bench_adamw import print_rows, run
+
+        rows = run([tuple(int(x) for x in lt.split("x")) for lt in a.adamw_alone.split(",")])
+        print_rows(rows)
+        if a.json:
+            with open(a.json, "a") as f:
+                f.write(json.dumps({"adamw_alone": rows}) + "\n")
+        return 0
     import ray
     import yaml
 

@@ -1,9 +1,12 @@
-"""Ray metrics of a run (``ray.util.metrics``), declared once per actor with fixed tag keys.
+"""A run's metrics: one table of names for metrics.jsonl, TensorBoard and Prometheus.
 
-Every series carries the tags ``run`` (the run id) and ``actor`` (the role: scheduler,
-worker, optimizer-3), so the dashboard's Metrics view and any Prometheus query can tell
-runs and actors apart. Names are exported with Ray's ``ray_`` prefix, e.g.
-``ray_megaray_step_time_seconds``.
+Each per-step quantity has one name everywhere: the key in ``metrics.jsonl``, the
+TensorBoard tag ``train/<name>``, and the Prometheus series ``ray_megaray_<name>`` (Ray adds
+the ``ray_`` prefix), exported by the scheduler. Steps are counted from 1: the value recorded
+for step n is the one of the n-th completed step, the step the log line and the checkpoint of
+that state (``step-0000000n``) carry too. Every series carries the tags ``run`` (the run id)
+and ``actor`` (the role: scheduler, optimizer-3), so the dashboard and any Prometheus query
+can tell runs and actors apart. Declared once per actor with fixed tag keys.
 """
 from __future__ import annotations
 
@@ -11,18 +14,25 @@ from ray.util.metrics import Counter, Gauge
 
 TAG_KEYS = ("run", "actor")
 
-STEP_GAUGES = {
-    "step_time_seconds": "Wall time of the last training step",
-    "tokens_per_second": "Training tokens per second over the last step",
-    "tflops": "Model TFLOP/s of the last step (ARCHITECTURE.md formula)",
+STEP_GAUGES = {   # per-step values: metrics.jsonl, TensorBoard train/<name>, ray_megaray_<name>
     "loss": "Training loss of the last step",
-    "grad_norm": "Global gradient norm of the last step, before clipping",
     "learning_rate": "Learning rate of the last step",
+    "grad_norm": "Global gradient norm of the last step, before clipping (-1 for a skipped step)",
+    "tokens_per_second": "Training tokens per second over the last step",
+    "step_time_seconds": "Wall time of the last training step",
+    "tflops": "Model TFLOP/s of the last step (ARCHITECTURE.md formula)",
+    "gpu_idle_seconds": "Time in the last step the GPU did no compute",
+    "exposed_optimizer_seconds": "Time the worker waited for optimizer updates in the last step",
     "copy_in_gbps": "Host-to-device weight staging rate of the last step, GB/s",
     "copy_out_gbps": "Device-to-host gradient rate of the last step, GB/s",
-    "exposed_optimizer_seconds": "Time the worker waited for optimizer updates in the last step",
-    "host_memory_used_bytes": "Host memory in use on the run's node",
+    "node_memory_used_bytes": "Host memory in use on the run's node (all processes, not only the run's)",
     "gpu_memory_peak_bytes": "Peak device memory of the worker in the last step",
+    "skipped_steps": "Steps skipped so far for a non-finite loss or gradient (exported from the first step)",
+}
+STEP_COUNTERS = {"steps_total": "Training steps completed", "tokens_total": "Training tokens processed"}
+SHARD_GAUGES = {
+    "optimizer_seconds": "Time this optimizer shard spent updating in its last step",
+    "optimizer_params_per_second": "This shard's AdamW update rate in its last step",
 }
 
 
@@ -45,7 +55,8 @@ class RunMetrics:
                 self.counters[k].inc(float(v), tags=self.tags)
 
 
-def host_memory_used_bytes() -> int:
+def node_memory_used_bytes() -> int:
+    """Memory in use on this node (MemTotal - MemAvailable): every process's, not the run's."""
     info = {}
     with open("/proc/meminfo") as f:
         for line in f:

@@ -32,7 +32,7 @@ from megaray.checkpoint import Checkpoint, PartWriter
 from megaray.config import RunConfig
 from megaray.errors import ActorFailure, RunAborted
 
-from .metrics import RunMetrics
+from .metrics import SHARD_GAUGES, RunMetrics
 
 
 class OptimizerShard:
@@ -53,9 +53,13 @@ class OptimizerShard:
             self.v[i] = torch.zeros(piece.numel, dtype=self.moment_dtype)
             self.steps[i] = 0
             self.decay[i] = o.weight_decay if piece.decay or o.decay_norms_and_biases else 0.0
-        self.metrics = RunMetrics(handles.run_id, name.rsplit(":", 1)[-1], {
-            "optimizer_seconds": "Time this optimizer shard spent updating in its last step",
-            "optimizer_params_per_second": "This shard's AdamW update rate in its last step"})
+        self.metrics = RunMetrics(handles.run_id, name.rsplit(":", 1)[-1], SHARD_GAUGES)
+
+    def __repr__(self) -> str:
+        """What the Ray dashboard's Actors view shows (Ray reads it once, when the actor starts)."""
+        n = sum(self.h.pieces[i].numel for i in self.pieces)
+        return (f"OptimizerShard({len(self.pieces)} pieces, {n / 1e6:.1f}M params, "
+                f"{self.cfg.optim.threads_per_shard} threads, {self.cfg.optim.moment_dtype} moments)")
 
     def kernel(self) -> str:
         """Which AdamW runs here (for the run's log)."""

@@ -38,7 +38,7 @@ from megaray.errors import ActorFailure
 from megaray.model import flops_per_step
 from megaray.schedule import lr_at
 
-from .metrics import STEP_GAUGES, RunMetrics, host_memory_used_bytes
+from .metrics import STEP_COUNTERS, STEP_GAUGES, RunMetrics, node_memory_used_bytes
 
 
 class Phase(enum.Enum):
@@ -60,9 +60,7 @@ class Scheduler:
         self._pending: list[tuple[str, ray.ObjectRef]] = []   # the previous step's apply calls
         self._current: list[tuple[str, ray.ObjectRef]] = []   # the calls of the step (or evaluation) running
         self.counters = {"steps": 0, "tokens": 0, "skipped_steps": 0}
-        self.metrics = RunMetrics(handles.run_id, "scheduler", STEP_GAUGES, {
-            "steps_total": "Training steps completed", "tokens_total": "Training tokens processed",
-            "skipped_steps_total": "Steps skipped for a non-finite loss or gradient"})
+        self.metrics = RunMetrics(handles.run_id, "scheduler", STEP_GAUGES, STEP_COUNTERS)
 
     def attach(self, workers, shards, shard_names: list[str]) -> None:
         """Workers (rank 0 first: it decides each step), the shards and their names."""
@@ -143,32 +141,26 @@ class Scheduler:
         dt = time.perf_counter() - t0
         tokens_per_step = self.cfg.train.tokens_per_step
         metrics = {
-            "step": step, "loss": res["loss_sum"] / max(res["tokens"], 1), "lr": lr, "grad_norm": norm,
-            "clip_coef": coef, "skipped": not finite, "tokens": res["tokens"], "step_time_s": dt,
-            "tokens_per_s": res["tokens"] / dt,
+            "step": step + 1, "loss": res["loss_sum"] / max(res["tokens"], 1), "learning_rate": lr,
+            "grad_norm": norm if finite else -1.0, "clip_coefficient": coef, "skipped": not finite,
+            "tokens": res["tokens"], "step_time_seconds": dt, "tokens_per_second": res["tokens"] / dt,
             "tflops": flops_per_step(self.cfg.model, tokens_per_step, self.cfg.train.seq_len) / dt / 1e12,
-        }
-        metrics.update({f"worker/{k}": v for k, v in res.items()
-                        if k not in ("loss_sum", "tokens", "grad_norm", "clip_coef", "applied")})
-        worked = [d for d in done if d["update_s"] > 0]
-        if worked:   # the previous step's updates, summed over the shards
-            metrics["optimizer_params_per_s"] = sum(d["params"] / d["update_s"] for d in worked)
-            metrics["optimizer_update_s"] = max(d["update_s"] for d in worked)
-        metrics["gpu_idle_s"] = max(0.0, dt - res.get("compute_s", 0.0))
-        metrics.update({
+            "gpu_idle_seconds": max(0.0, dt - res.get("compute_s", 0.0)),
+            "exposed_optimizer_seconds": res.get("wait_optimizer_s", 0.0),
             "copy_in_gbps": res.get("copy_in_bytes", 0) / max(res.get("copy_in_s", 0), 1e-9) / 1e9,
             "copy_out_gbps": res.get("copy_out_bytes", 0) / max(res.get("copy_out_s", 0), 1e-9) / 1e9,
-            "exposed_optimizer_s": res.get("wait_optimizer_s", 0.0),
-            "host_memory_used_bytes": host_memory_used_bytes(),
+            "node_memory_used_bytes": node_memory_used_bytes(),
             "gpu_memory_peak_bytes": res.get("gpu_peak_bytes", 0),
-        })
-        self.metrics.set(step_time_seconds=dt, tokens_per_second=metrics["tokens_per_s"], tflops=metrics["tflops"],
-                         loss=metrics["loss"], grad_norm=norm if finite else -1.0, learning_rate=lr,
-                         copy_in_gbps=metrics["copy_in_gbps"], copy_out_gbps=metrics["copy_out_gbps"],
-                         exposed_optimizer_seconds=metrics["exposed_optimizer_s"],
-                         host_memory_used_bytes=metrics["host_memory_used_bytes"],
-                         gpu_memory_peak_bytes=metrics["gpu_memory_peak_bytes"])
-        self.metrics.inc(steps_total=1, tokens_total=res["tokens"], skipped_steps_total=0 if finite else 1)
+            "skipped_steps": self.counters["skipped_steps"],
+        }
+        self.metrics.set(**{k: metrics[k] for k in STEP_GAUGES})
+        self.metrics.inc(steps_total=1, tokens_total=res["tokens"])
+        worked = [d for d in done if d["update_s"] > 0]
+        if worked:   # the previous step's updates, summed over the shards (each shard exports its own)
+            metrics["optimizer_params_per_second_all_shards"] = sum(d["params"] / d["update_s"] for d in worked)
+            metrics["optimizer_update_seconds_slowest_shard"] = max(d["update_s"] for d in worked)
+        metrics.update({f"worker/{k}": v for k, v in res.items()
+                        if k not in ("loss_sum", "tokens", "grad_norm", "clip_coef", "applied")})
         return metrics
 
     async def evaluate(self, step: int, tokens) -> float:

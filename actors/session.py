@@ -335,6 +335,17 @@ class TrainingSession:
             except Exception:
                 pass
         self._ahead.clear()
+        # A graceful exit first: each actor ends after its last call and reports it as
+        # finished (a killed worker's calls show as failed in the dashboard); then a kill for
+        # any that did not go within the timeout.
+        ends = []
+        for a in self.actors.values():
+            try:
+                ends.append(a.__ray_terminate__.remote())
+            except Exception:
+                pass
+        if ends:
+            ray.wait(ends, num_returns=len(ends), timeout=15)
         for a in self.actors.values():
             try:
                 ray.kill(a, no_restart=True)

@@ -44,6 +44,11 @@ class ParameterStore:
                                 peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                                 master_bytes=self.h.master_bytes)
 
+    def __repr__(self) -> str:
+        """What the Ray dashboard's Actors view shows (Ray reads it once, when the actor starts)."""
+        held = sum(self.h.file_sizes().values())
+        return f"ParameterStore({held / 2**30:.2f} GiB in {self.h.shm_dir}, {self.h.num_units} units)"
+
     def report(self) -> dict:
         """How the weights were created: source, seconds, this process's peak RSS."""
         return self.load_report

@@ -63,6 +63,11 @@ class GpuWorker:
         self.shipper = GradientShipper(cfg, handles, self.dev, self.buf, relay)
         self.rope = rope_tables(self.mcfg, self.mcfg.max_position_embeddings, self.dev.device, torch.float32)
 
+    def __repr__(self) -> str:
+        """What the Ray dashboard's Actors view shows (Ray reads it once, when the actor starts)."""
+        return (f"GpuWorker(rank {self.group.rank} of {self.group.world} on {self.dev.device}, "
+                f"{self.L} blocks of {self.units[1].numel / 1e6 if self.L else 0:.1f}M params streamed)")
+
     # ------------------------------------------------------------------ data parallel
     def rendezvous(self) -> tuple[str, int]:
         return self.group.rendezvous()

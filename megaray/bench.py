@@ -20,7 +20,7 @@ import ray
 import torch
 import torch.nn as nn
 
-from megaray.actors.metrics import host_memory_used_bytes
+from megaray.actors.metrics import node_memory_used_bytes
 from megaray.actors.session import TrainingSession
 from megaray.checkpoint import Checkpointer
 from megaray.config import RunConfig
@@ -115,7 +115,7 @@ def bench_config(shape: str, seq_len: int, tokens_per_step: int, micro_batch: in
 def _median_step(ms: list[dict]) -> dict:
     """The step with the median step time among the warm ones (its parts add up to it)."""
     warm = ms[1:] if len(ms) > 1 else ms
-    return sorted(warm, key=lambda m: m["step_time_s"])[len(warm) // 2]
+    return sorted(warm, key=lambda m: m["step_time_seconds"])[len(warm) // 2]
 
 
 def breakdown(m: dict) -> dict:
@@ -130,14 +130,14 @@ def breakdown(m: dict) -> dict:
       layer's copy-in, the loss and norm reaching the host, the verdict).
     Copy-in, copy-out and the optimizer's update time overlap compute; they are listed after.
     """
-    step, compute = m["step_time_s"], m.get("worker/compute_s", 0.0)
+    step, compute = m["step_time_seconds"], m.get("worker/compute_s", 0.0)
     opt, other = m.get("worker/gap_optimizer_s", 0.0), m.get("worker/gap_other_s", 0.0)
     opt += min(m.get("worker/first_unit_optimizer_s", 0.0), max(0.0, step - compute - opt - other))
     outside = step - compute - opt - other
     return {"step_s": step, "compute_s": compute, "idle_optimizer_s": opt, "idle_copy_in_s": other,
             "outside_s": outside, "gpu_idle_fraction": (step - compute) / step,
             "overlapped": {"copy_in_s": m.get("worker/copy_in_s", 0.0), "copy_out_s": m.get("worker/copy_out_s", 0.0),
-                           "optimizer_update_s": m.get("optimizer_update_s", 0.0)}}
+                           "optimizer_update_s": m.get("optimizer_update_seconds_slowest_shard", 0.0)}}
 
 
 def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = None, seed: int = 0) -> dict:
@@ -154,7 +154,7 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
                  "tokens_per_step": tokens_per_step, "micro_batch": t.micro_batch_size, "grad_accum": t.grad_accum,
                  "shards": cfg.optim.num_shards, "threads_per_shard": cfg.optim.threads_per_shard}
     ms = []
-    host_before = host_memory_used_bytes()
+    host_before = node_memory_used_bytes()
     with TrainingSession(cfg) as s:
         t0 = time.perf_counter()
         state = s.state_dict() if baseline else None
@@ -166,18 +166,19 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
         if checkpoint_dir:
             out["checkpoint"] = _time_checkpoint(cfg, s, steps, checkpoint_dir)
     med = _median_step(ms)
-    step_s = med["step_time_s"]
+    step_s = med["step_time_seconds"]
     kept = med.get("worker/kept_blocks", 0)
     offloaded = med.get("worker/offloaded_inputs", 0)
     predicted = plan(cfg, keep=kept, on_gpu=cfg.worker.device == "cuda", offload=offloaded)
     gpu_peak = max(m.get("worker/gpu_peak_bytes", 0) for m in ms)
     # less the copy of the initial weights this process holds for the baseline
     state_bytes = sum(v.nbytes for v in state.values()) if state else 0
-    host_peak = max(m["host_memory_used_bytes"] for m in ms) - host_before - state_bytes
+    host_peak = max(m["node_memory_used_bytes"] for m in ms) - host_before - state_bytes
     out["planner"] = {"host_predicted_gib": predicted.host_total / 2**30, "host_measured_gib": host_peak / 2**30,
                       "gpu_predicted_gib": predicted.gpu_total / 2**30, "gpu_measured_gib": gpu_peak / 2**30,
                       "kept_blocks": kept, "offloaded_inputs": offloaded}
-    rates = [m["optimizer_params_per_s"] for m in ms[1:] if "optimizer_params_per_s" in m]
+    key = "optimizer_params_per_second_all_shards"
+    rates = [m[key] for m in ms[1:] if key in m]
     out["megaray"] = {"step_s": step_s, "tflops": flops / step_s / 1e12,
                       "tokens_per_s": tokens_per_step / step_s,
                       "losses": [m["loss"] for m in ms],

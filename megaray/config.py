@@ -404,7 +404,8 @@ class DebugConfig:
     crash_step: int | None = None
     """... at this step."""
     nonfinite_steps: list = field(default_factory=list)
-    """Steps whose loss and gradients the worker makes NaN (tests of step skipping)."""
+    """Steps (0-based indices: 0 is the first step) whose loss and gradients the worker makes
+    NaN (tests of step skipping)."""
     keep_gradients: bool = False
     """The worker keeps a host copy of each step's unclipped gradients for
     ``TrainingSession.gradients()`` (tests and interop checks; costs 4 bytes a parameter)."""

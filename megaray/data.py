@@ -38,34 +38,49 @@ def model_tokenizer(model_dir: str | None):
 
 
 class ByteCorpus:
-    """A flat token array split into train and held-out parts."""
+    """The standard library's source files as two flat token arrays, train and held out.
+
+    The held-out part is whole files, every k-th file of the corpus (k = 1 / holdout
+    fraction, at most half the files), so it samples every part of the library as training does (a tail of the
+    sorted files would be a few packages, some of them near-identical tables that are far
+    easier to predict), and no held-out window shares a byte with a training one."""
 
     def __init__(self, data: DataConfig, tokenizer=None, vocab_size: int = 256, seq_len: int = 256, seed: int = 0):
         self.seq_len, self.seed = seq_len, seed
         self.kind = "byte" if tokenizer is None else "tokenizer.json"
-        chunks, total = [], 0
+        files, total = [], 0
         for path in stdlib_files():
             try:
                 with open(path, "rb") as f:
                     b = f.read()
             except OSError:
                 continue
-            chunks.append(np.frombuffer(b + b"\n", dtype=np.uint8))
+            b = b[: data.max_bytes - total]
+            files.append(b + b"\n")
             total += len(b) + 1
             if total >= data.max_bytes:
                 break
         if total < 4096:
             raise DataError(f"the standard library under {sysconfig.get_paths()['stdlib']} has too little source")
-        tokens = np.concatenate(chunks)[: data.max_bytes]
-        if tokenizer is not None:
-            texts = bytes(tokens).decode("utf-8", errors="replace").split("\n\n")
-            ids = [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
-            tokens = np.fromiter((i for seq in ids for i in seq), dtype=np.int64)
-            if len(tokens) and int(tokens.max()) >= vocab_size:
-                raise DataError(f"the tokenizer produced id {int(tokens.max())}, outside the model's "
-                                f"vocabulary of {vocab_size}")
-        cut = len(tokens) - int(len(tokens) * data.holdout_fraction)
-        self.train, self.heldout = tokens[:cut], tokens[cut:]
+        # one file in 1/fraction; a small corpus (tests) still holds out two files at least
+        every = min(round(1 / data.holdout_fraction), max(2, len(files) // 2)) if data.holdout_fraction > 0 else 0
+        held = [f for i, f in enumerate(files) if every and i % every == every - 1]
+        train = [f for i, f in enumerate(files) if not (every and i % every == every - 1)]
+        self.train, self.heldout = (self._tokens(part, tokenizer, vocab_size) for part in (train, held))
+        self.heldout_files, self.every = len(held), every
+
+    @staticmethod
+    def _tokens(files: list[bytes], tokenizer, vocab_size: int) -> np.ndarray:
+        raw = b"".join(files)
+        if tokenizer is None:
+            return np.frombuffer(raw, dtype=np.uint8)
+        texts = raw.decode("utf-8", errors="replace").split("\n\n")
+        ids = [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+        tokens = np.fromiter((i for seq in ids for i in seq), dtype=np.int64)
+        if len(tokens) and int(tokens.max()) >= vocab_size:
+            raise DataError(f"the tokenizer produced id {int(tokens.max())}, outside the model's "
+                            f"vocabulary of {vocab_size}")
+        return tokens
 
     def rows_at(self, position: int, n: int, split: str = "train") -> dict:
         """``n`` windows of seq_len + 1 tokens for stream position ``position``:
@@ -82,7 +97,9 @@ class ByteCorpus:
         return len(self.heldout) > self.seq_len + 1
 
     def describe(self) -> str:
-        return f"{len(self.train)} train / {len(self.heldout)} held-out {self.kind} tokens from the standard library"
+        held = f"{self.heldout_files} whole files held out, one in {self.every}" if self.every else "none held out"
+        return (f"{len(self.train)} train / {len(self.heldout)} held-out {self.kind} tokens from the standard "
+                f"library ({held})")
 
 
 def open_source(cfg: RunConfig):

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import ray
 
+from megaray.actors.metrics import STEP_GAUGES
 from megaray.actors.session import TrainingSession, new_run_id
 from megaray.checkpoint import Checkpointer
 from megaray.config import RunConfig
@@ -40,8 +41,7 @@ from megaray.loader import dump_config
 
 log = logging.getLogger("megaray")
 
-TB_SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "tflops", "copy_in_gbps",
-              "copy_out_gbps", "exposed_optimizer_s", "host_memory_used_bytes", "gpu_memory_peak_bytes", "data_wait_s")
+TB_SCALARS = (*STEP_GAUGES, "data_wait_seconds")    # train/<name>: the names of metrics.jsonl and Prometheus
 
 
 def connect_ray(cfg: RunConfig) -> bool:
@@ -85,12 +85,13 @@ class Progress:
         self.t0 = time.perf_counter()
 
     def update(self, m: dict) -> None:
-        done = m["step"] + 1
+        done = m["step"]
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / max(done - self.start, 1) * (self.total - done)
-        text = (f"step {done}/{self.total} loss {m['loss']:.4f} lr {m['lr']:.2e} "
-                f"gnorm {m['grad_norm']:.3f} {m['tokens_per_s']:.0f} tok/s "
-                f"{m['step_time_s'] * 1000:.0f} ms/step eta {_fmt_time(eta)}")
+        gnorm = f"gnorm {m['grad_norm']:.3f}" if not m["skipped"] else "skipped"
+        text = (f"step {done}/{self.total} loss {m['loss']:.4f} lr {m['learning_rate']:.2e} "
+                f"{gnorm} {m['tokens_per_second']:.0f} tok/s "
+                f"{m['step_time_seconds'] * 1000:.0f} ms/step eta {_fmt_time(eta)}")
         if self.tty:
             width = 24
             fill = int(width * done / self.total)
@@ -141,15 +142,17 @@ class RunLog:
         root.propagate = False
         return fh
 
-    def due(self, step: int, m: dict) -> bool:
-        """A log line and TensorBoard point for this step."""
-        return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps - 1 or m["skipped"]
+    def due(self, m: dict) -> bool:
+        """A log line and TensorBoard point for this step: the first, every train.log_every-th,
+        the last, and any skipped one."""
+        n = m["step"]
+        return n == 1 or n % self.cfg.train.log_every == 0 or n == self.cfg.train.steps or m["skipped"]
 
-    def record(self, step: int, m: dict) -> None:
+    def record(self, m: dict) -> None:
         self.progress.update(m)
         try:
             for key in TB_SCALARS:
-                self.tb.add_scalar(f"train/{key}", m[key], step)
+                self.tb.add_scalar(f"train/{key}", m[key], m["step"])
             self.metrics.write(json.dumps(m) + "\n")
             self.metrics.flush()
         except OSError as e:          # a full or vanished run directory: the training goes on
@@ -326,7 +329,7 @@ class Trainer:
             if self.on_step is not None:
                 self.on_step(self.step, self.session)
             if self.evaluator.due(self.step):
-                self.runlog.tb.add_scalar("eval/loss", self._evaluate(self.step), self.step - 1)
+                self.runlog.tb.add_scalar("eval/loss", self._evaluate(self.step), self.step)
             if self.stop.signal is not None:
                 if cfg.checkpoint.on_sigterm:
                     self.ckpt.save_final(self.session, self.step, self._trainer_state())
@@ -341,20 +344,20 @@ class Trainer:
     def _record(self, m: dict, data_wait: float, data_build: float) -> None:
         cfg = self.cfg
         self.position += self.session.rows_per_step
-        m.update(data_wait_s=data_wait, data_build_s=data_build, data_position=self.position)
+        m.update(data_wait_seconds=data_wait, data_build_seconds=data_build, data_position=self.position)
         t = self.data_t
-        self.data_t = [t[0] + data_wait, t[1] + data_build, t[2] + m["step_time_s"]]
+        self.data_t = [t[0] + data_wait, t[1] + data_build, t[2] + m["step_time_seconds"]]
         self.losses.append(m["loss"])
         self.consecutive = self.consecutive + 1 if m["skipped"] else 0
         if m["skipped"]:
             log.warning("step %d skipped: non-finite loss or gradient (%d in a row, limit %d)",
-                        self.step, self.consecutive, cfg.train.max_skipped_steps)
+                        m["step"], self.consecutive, cfg.train.max_skipped_steps)
             if self.consecutive >= cfg.train.max_skipped_steps:
                 raise TrainingDiverged(f"{self.consecutive} consecutive steps with a non-finite loss or gradient "
                                        f"(train.max_skipped_steps={cfg.train.max_skipped_steps}), last at step "
-                                       f"{self.step}")
-        if self.runlog.due(self.step, m):
-            self.runlog.record(self.step, m)
+                                       f"{m['step']}")
+        if self.runlog.due(m):
+            self.runlog.record(m)
 
     def _recover(self, e: ActorFailure) -> None:
         """Spend one restart on an actor failure, or raise it when none is left."""
@@ -394,7 +397,7 @@ class Trainer:
         eval_loss = None
         if self.evaluator.enabled:
             eval_loss = self._evaluate(cfg.train.steps)
-            self.runlog.tb.add_scalar("eval/loss", eval_loss, cfg.train.steps - 1)
+            self.runlog.tb.add_scalar("eval/loss", eval_loss, cfg.train.steps)
         wall = time.perf_counter() - self.t_start
         tail = self.losses[-min(10, len(self.losses)):] or [float("nan")]
         t = self.data_t
@@ -402,7 +405,7 @@ class Trainer:
             "status": "succeeded", "steps": cfg.train.steps,
             "first_loss": self.losses[0] if self.losses else None, "last_loss": sum(tail) / len(tail),
             "heldout_loss": eval_loss, "wall_time_s": wall, "checkpoint": str(final),
-            "tokens_per_s": cfg.train.tokens_per_step * max(1, cfg.train.steps - s["first_step"]) / wall,
+            "tokens_per_second": cfg.train.tokens_per_step * max(1, cfg.train.steps - s["first_step"]) / wall,
             # the driver's wait for batches, and the data actor's work, against the steps' time
             "data_wait_share": t[0] / max(t[2], 1e-9), "data_build_share": t[1] / max(t[2], 1e-9),
             "data_restarts": self.data_restarts,

@@ -56,7 +56,7 @@ def test_baseline_trains_like_the_reference():
 
 
 def test_breakdown_adds_up():
-    m = {"step_time_s": 2.0, "worker/compute_s": 1.5, "worker/gap_optimizer_s": 0.2, "worker/gap_other_s": 0.1,
+    m = {"step_time_seconds": 2.0, "worker/compute_s": 1.5, "worker/gap_optimizer_s": 0.2, "worker/gap_other_s": 0.1,
          "worker/copy_in_s": 0.4}
     d = breakdown(m)
     assert d["compute_s"] + d["idle_optimizer_s"] + d["idle_copy_in_s"] + d["outside_s"] == pytest.approx(2.0)

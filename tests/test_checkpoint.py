@@ -86,7 +86,7 @@ def test_resume_continues_bit_for_bit(reference_run, tmp_path):
     s = train(_cfg(tmp_path))                                  # resume: auto
     assert s["first_step"] == 3
     resumed = _losses(s)
-    assert sorted(resumed) == [3, 4, 5]
+    assert sorted(resumed) == [4, 5, 6]
     for step, loss in resumed.items():
         assert loss == ref_losses[step]                        # bit for bit
     assert _master(Path(s["checkpoint"])) == _master(ref_ckpt)
@@ -112,7 +112,7 @@ def test_resume_with_other_shards_and_slabs_is_bit_for_bit(reference_run, tmp_pa
         train(_cfg(tmp_path, "checkpoint.every=3"), on_step=interrupt)
     s = train(_cfg(tmp_path, *changed))
     assert s["first_step"] == 3
-    assert {k: v for k, v in _losses(s).items()} == {k: ref_losses[k] for k in (3, 4, 5)}
+    assert {k: v for k, v in _losses(s).items()} == {k: ref_losses[k] for k in (4, 5, 6)}
     assert _master(Path(s["checkpoint"])) == _master(ref_ckpt)
     m = Checkpoint(s["checkpoint"]).manifest
     n_shards = 3 if "optim.num_shards=3" in changed else 1
@@ -134,7 +134,7 @@ def test_each_state_dtype_resumes_bit_for_bit(ray_cluster, tmp_path, opts):
     with pytest.raises(KeyError):
         train(_cfg(tmp_path, "checkpoint.every=3", *opts), on_step=interrupt)
     s = train(_cfg(tmp_path, *opts))
-    assert s["first_step"] == 3 and _losses(s) == {k: v for k, v in _losses(ref).items() if k >= 3}
+    assert s["first_step"] == 3 and _losses(s) == {k: v for k, v in _losses(ref).items() if k >= 4}
     assert _master(Path(s["checkpoint"])) == _master(Path(ref["checkpoint"]))
     assert "AdamW: the fused C kernel" in (Path(s["run_dir"]) / "train.log").read_text()
 
@@ -145,7 +145,7 @@ def test_bf16_master_and_moments_train_resume_and_export(ray_cluster, tmp_path):
     opts = ["train.compute_dtype=bfloat16", "optim.master_dtype=bfloat16", "optim.moment_dtype=bfloat16"]
     ref = train(_cfg(tmp_path / "ref", "checkpoint.resume=null", *opts))
     ref_losses = _losses(ref)
-    assert ref_losses[5] < ref_losses[0]
+    assert ref_losses[6] < ref_losses[1]
     ck = Path(ref["checkpoint"])
     m = Checkpoint(ck).manifest
     assert m["master_dtype"] == "bfloat16" and m["moment_dtype"] == "bfloat16"
@@ -161,7 +161,7 @@ def test_bf16_master_and_moments_train_resume_and_export(ray_cluster, tmp_path):
     with pytest.raises(KeyError):
         train(_cfg(tmp_path, "checkpoint.every=3", *opts), on_step=interrupt)
     s = train(_cfg(tmp_path, *opts))
-    assert s["first_step"] == 3 and all(_losses(s)[k] == ref_losses[k] for k in (3, 4, 5))
+    assert s["first_step"] == 3 and all(_losses(s)[k] == ref_losses[k] for k in (4, 5, 6))
     assert _master(Path(s["checkpoint"])) == _master(ck)
     with pytest.raises(CheckpointError, match="optim.master_dtype"):
         train(_cfg(tmp_path / "other", f"checkpoint.resume={ck}", "train.compute_dtype=bfloat16"))
@@ -277,7 +277,7 @@ def test_nonfinite_step_is_skipped_without_touching_weights_or_moments(ray_clust
         for i in a:
             for key in a[i]:
                 assert np.array_equal(np.asarray(a[i][key]), np.asarray(b[i][key])), key
-    assert "step 2 skipped" in (Path(s["run_dir"]) / "train.log").read_text()
+    assert "step 3 skipped" in (Path(s["run_dir"]) / "train.log").read_text()      # debug.nonfinite_steps is 0-based
 
 
 def test_too_many_nonfinite_steps_in_a_row_stop_the_run(ray_cluster, tmp_path):

@@ -216,3 +216,26 @@ def test_prepare_task_memory_stays_bounded(ray_cluster, tmp_path):
           + ", ".join(f"{k / 1e6:.1f} -> {v / 1e6:.1f}" for k, v in growth.items()))
     small, big = growth.values()
     assert big < small + 4 * 2**20 and big < 64 * 2**20
+
+
+def test_the_demo_holds_out_whole_files_from_across_the_corpus():
+    """The held-out text is every 50th file of the corpus (data.holdout_fraction 0.02; of a
+    corpus under 100 files, every (n/2)th), read
+    here from the files themselves: disjoint from the training text and spread over the whole
+    library, not its alphabetical tail."""
+    from megaray.data import ByteCorpus, stdlib_files
+
+    cfg = load_config("demo", ["data.max_bytes=400000"])
+    c = ByteCorpus(cfg.data, seq_len=128)
+    files, total = [], 0
+    for p in stdlib_files():
+        b = Path(p).read_bytes()[: 400000 - total]
+        files.append(b + b"\n")
+        total += len(b) + 1
+        if total >= 400000:
+            break
+    k = min(50, max(2, len(files) // 2))                 # one in 50, or two files of a small corpus
+    held = [i for i in range(len(files)) if i % k == k - 1]
+    assert bytes(c.heldout) == b"".join(files[i] for i in held)
+    assert bytes(c.train) == b"".join(f for i, f in enumerate(files) if i not in held)
+    assert len(held) >= 2 and held[-1] - held[0] >= len(files) // 2

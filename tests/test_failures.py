@@ -265,3 +265,31 @@ def test_ctrl_c_twice_still_cleans_up(tmp_path):
     assert shm_files(pid=proc.pid) == []
     (summary,) = [json.loads(p.read_text()) for p in tmp_path.glob("debug-*/summary.json")]
     assert summary["status"] == "failed" and "KeyboardInterrupt" in summary["error"]
+
+
+def test_a_stop_checkpoint_survives_other_runs_of_the_same_name(ray_cluster, tmp_path):
+    """`ray job stop` of a second launch of a fresh-starting config (the demo's resume: null)
+    keeps its stop checkpoint: each such launch has a checkpoint folder of its own, and pruning
+    only ever touches the run's own folder (issue 21)."""
+    first = train(_cfg(tmp_path, "run.name=demo", "checkpoint.resume=null", "train.steps=6", "checkpoint.keep=1"))
+    before = _tree(Path(first["checkpoint"]).parent)
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    proc = subprocess.Popen([sys.executable, "-m", "megaray.pipelines.train", "debug", "run.name=demo",
+                             "checkpoint.resume=null", "checkpoint.keep=1", "train.steps=100000",
+                             "data.max_bytes=50000", f"run.dir={tmp_path}", "cluster.num_cpus=4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    t0 = time.time()
+    while time.time() - t0 < 180:
+        logs = [p for p in tmp_path.glob("demo-*/train.log") if first["run_id"] not in str(p)]
+        if logs and logs[0].read_text().count(" INFO step ") >= 2:
+            break
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out
+    (second,) = [json.loads(p.read_text()) for p in tmp_path.glob("demo-*/summary.json")
+                 if json.loads(p.read_text())["run_id"] != first["run_id"]]
+    (stop,) = complete_checkpoints(Path(second["checkpoint_dir"]))
+    assert Checkpoint(stop).step == second["stopped_at_step"]                # kept, whatever the first run holds
+    assert _tree(Path(first["checkpoint"]).parent) == before

@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -35,15 +37,38 @@ def _ray(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def head():
+def head(tmp_path_factory):
     gcs, dash, metrics = _free_port(), _free_port(), _free_port()
     p = _ray("start", "--head", f"--port={gcs}", f"--dashboard-port={dash}", f"--metrics-export-port={metrics}",
              "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--num-cpus=6", "--num-gpus=0",
              "--object-store-memory=200000000", "--disable-usage-stats", timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
+    prom = None
     try:
-        yield {"address": f"http://127.0.0.1:{dash}", "metrics": f"http://127.0.0.1:{metrics}/metrics"}
+        info = {"address": f"http://127.0.0.1:{dash}", "metrics": f"http://127.0.0.1:{metrics}/metrics",
+                "prometheus": None}
+        if shutil.which("prometheus"):     # Debian's prometheus, scraping the head as a user would set it up
+            d = tmp_path_factory.mktemp("prometheus")
+            port = _free_port()
+            (d / "prometheus.yml").write_text(
+                "global: {scrape_interval: 1s}\nscrape_configs:\n  - job_name: ray\n    static_configs:\n"
+                f"      - targets: ['127.0.0.1:{metrics}']\n")
+            prom = subprocess.Popen(["prometheus", f"--config.file={d / 'prometheus.yml'}",
+                                     f"--storage.tsdb.path={d / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            info["prometheus"] = f"http://127.0.0.1:{port}"
+            t0 = time.time()
+            while time.time() - t0 < 60:
+                try:
+                    urllib.request.urlopen(f"{info['prometheus']}/-/ready", timeout=2)
+                    break
+                except OSError:
+                    time.sleep(0.5)
+        yield info
     finally:
+        if prom is not None:
+            prom.terminate()
+            prom.wait(30)
         _ray("stop", "--force", timeout=120)
 
 
@@ -55,7 +80,8 @@ def _submit(head, sid: str, *args: str, workdir: Path) -> None:
     t0 = time.time()
     while True:   # right after `ray start` the job agent may not be up yet ("try again later")
         p = _ray("job", "submit", "--address", head["address"], "--working-dir", str(workdir), "--submission-id",
-                 sid, "--no-wait", "--", sys.executable, "-m", "megaray.pipelines.train", *args)
+                 sid, "--metadata-json", json.dumps({"job_name": f"megaray {sid}"}), "--no-wait", "--",
+                 sys.executable, "-m", "megaray.pipelines.train", *args)
         if p.returncode == 0 or "try again later" not in p.stderr + p.stdout or time.time() - t0 > 120:
             break
         time.sleep(3)
@@ -92,6 +118,11 @@ def _scrape(url: str) -> dict[tuple[str, str, str], float]:
     return out
 
 
+def _prom_query(head, query: str) -> list:
+    url = f"{head['prometheus']}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    return json.loads(urllib.request.urlopen(url, timeout=10).read())["data"]["result"]
+
+
 def test_job_trains_and_exports_metrics(head, tmp_path):
     _submit(head, "megaray-ok", "my.yaml", "train.steps=80", "data.max_bytes=500000", "train.eval_batches=1",
             "checkpoint.every=0", f"run.dir={tmp_path}", workdir=tmp_path / "job")
@@ -118,13 +149,42 @@ def test_job_trains_and_exports_metrics(head, tmp_path):
     assert 0 < v[("ray_megaray_learning_rate", "scheduler")] <= 3e-3
     assert v[("ray_megaray_grad_norm", "scheduler")] > 0
     assert v[("ray_megaray_copy_in_gbps", "scheduler")] > 0
-    assert v[("ray_megaray_host_memory_used_bytes", "scheduler")] > 2**20
+    assert v[("ray_megaray_node_memory_used_bytes", "scheduler")] > 2**20
     assert v[("ray_megaray_steps_total", "scheduler")] >= 1
+    assert v[("ray_megaray_skipped_steps", "scheduler")] == 0            # exported before any step is skipped
     for shard in ("optimizer-0", "optimizer-1"):
         assert v[("ray_megaray_optimizer_seconds", shard)] > 0
         assert v[("ray_megaray_optimizer_params_per_second", shard)] > 0
     (run_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("demo-")]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded"
+    run = next(iter(runs))
+
+    # A clean run leaves no failed task or actor call behind (Ray's state API, as the dashboard reads it).
+    from ray.util.state import list_actors, list_tasks
+
+    failed = list_tasks(address=head["address"], filters=[("state", "=", "FAILED")], limit=100)
+    assert failed == [], [(t.name, t.error_type) for t in failed]
+    actors = {a.name.rsplit(":", 1)[-1]: a for a in list_actors(address=head["address"], detail=True, limit=100,
+                                                                 filters=[("ray_namespace", "=", "megaray")])
+              if a.name.startswith(f"megaray:{run}:")}
+    assert {"store", "scheduler", "worker", "optimizer-0", "optimizer-1", "data"} <= set(actors)
+    groups = {a.placement_group_id for a in actors.values()}
+    assert len(groups) == 1 and None not in groups                      # the data feeder too: one group
+    assert actors["store"].repr_name.startswith("ParameterStore(")
+
+    # A real Prometheus scraping the head answers a query for every series the Grafana dashboard draws.
+    if head["prometheus"] is None:
+        pytest.skip("no prometheus binary here (Debian's package 'prometheus')")
+    from importlib import resources
+
+    dash = resources.files("megaray.grafana").joinpath("megaray_dashboard.json").read_text()
+    series = sorted(set(re.findall(r"ray_megaray_\w+", dash)))
+    assert len(series) >= 15
+    for name in series:
+        res = _prom_query(head, f'max_over_time({name}{{run="{run}"}}[30m])')
+        assert res, f"Prometheus has no {name} for run {run}"
+    (loss,) = _prom_query(head, f'max_over_time(ray_megaray_loss{{run="{run}"}}[30m])')
+    assert 0 < float(loss["value"][1]) < 6
 
 
 def test_job_with_bad_config_fails_with_the_error_in_its_logs(head, tmp_path):

@@ -113,7 +113,7 @@ def test_every_piece_goes_through_the_ring_and_matches_adamw(ray_cluster, tmp_pa
     steps = [[torch.randn(u.numel, generator=g) for u in h.units] for _ in range(3)]
     for step, grads in enumerate(steps):
         m = ray.get(sched.train_step.remote(step, grads))
-        assert m["step"] == step and not m["skipped"]
+        assert m["step"] == step + 1 and not m["skipped"]
         assert ray.get(sched.state.remote())["phase"] == "apply"    # updates overlap the next step
     ray.get(sched.drain.remote())
     assert ray.get(sched.state.remote())["phase"] == "idle"

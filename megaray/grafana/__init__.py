@@ -1,0 +1,1 @@
+"""The Grafana dashboard of megaray's Prometheus series (``megaray_dashboard.json``)."""

@@ -26,7 +26,9 @@ def wants_worker_hooks(d: DebugConfig) -> bool:
 
 
 class DebugGpuWorker(GpuWorker):
-    _last_grads: dict[int, np.ndarray] = {}
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self._last_grads: dict[int, np.ndarray] = {}
 
     def _run_step(self, step: int, tokens, total_tokens):
         d = self.cfg.debug
@@ -34,14 +36,17 @@ class DebugGpuWorker(GpuWorker):
             raise InjectedFault(f"injected crash at step {step}")
         return super()._run_step(step, tokens, total_tokens)
 
-    def _decide_and_ship(self, step, grads, loss_sum, timer, clock):
+    def _gradient_done(self, step, u, g, grads, sq, clock):
+        if step in self.cfg.debug.nonfinite_steps:
+            g.fill_(float("nan"))
+        super()._gradient_done(step, u, g, grads, sq, clock)
+        if self.cfg.debug.keep_gradients:     # summed over the workers, not yet clipped
+            self._last_grads[u] = g.cpu().numpy()
+
+    def _decide_and_ship(self, step, grads, sq, loss_sum, timer, clock):
         if step in self.cfg.debug.nonfinite_steps:
             loss_sum.fill_(float("nan"))
-            for g in grads:
-                g.fill_(float("nan"))
-        if self.cfg.debug.keep_gradients:
-            self._last_grads = {u: g.cpu().numpy() for u, g in enumerate(grads)}
-        return super()._decide_and_ship(step, grads, loss_sum, timer, clock)
+        return super()._decide_and_ship(step, grads, sq, loss_sum, timer, clock)
 
     def gradients(self) -> dict[int, np.ndarray]:
         """The last step's unclipped fp32 gradients by unit (needs ``debug.keep_gradients``)."""

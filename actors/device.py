@@ -21,9 +21,15 @@ import torch
 
 
 class Device:
-    def __init__(self, device: str):
+    def __init__(self, device: str, cap_bytes: int | None = None):
+        """``cap_bytes`` (``worker.gpu_memory_gib``): the most this process may allocate on
+        the GPU; the caching allocator enforces it (an allocation past it is out of memory)."""
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.cap_bytes = cap_bytes
+        if self.cuda and cap_bytes is not None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), self.device)
         if self.cuda:
             self.compute_stream = torch.cuda.current_stream(self.device)
             self.copy_stream = torch.cuda.Stream(self.device)
@@ -61,8 +67,9 @@ class Device:
         return torch.cuda.memory_allocated(self.device) if self.cuda else 0
 
     def free_bytes(self) -> int:
-        """Device memory this process may still use: free, plus what it holds already."""
-        return torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device)
+        """Device memory this process may use: free plus what it holds already, at most its cap."""
+        have = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device)
+        return have if self.cap_bytes is None else min(have, self.cap_bytes)
 
     def synchronize(self) -> None:
         if self.cuda:

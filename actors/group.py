@@ -37,8 +37,9 @@ class DataParallelGroup:
         if int(probe.item()) != self.world:
             raise RuntimeError(f"process group all-reduce gave {probe.item()}, expected {self.world}")
 
-    def sum(self, grads: list, loss_sum: torch.Tensor) -> None:
-        """Sum every unit's gradient and the loss over the workers, in place."""
+    def sum(self, grads: list, loss_sum: torch.Tensor | None = None) -> None:
+        """Sum gradients (and the loss) over the workers, in place."""
         for g in grads:
             dist.all_reduce(g)
-        dist.all_reduce(loss_sum)
+        if loss_sum is not None:
+            dist.all_reduce(loss_sum)

@@ -9,12 +9,15 @@ AdamW is elementwise, so updating a unit piece by piece equals updating it whole
 
 ``apply(step, lr)`` is called once per step, before the worker starts it, and runs while
 the worker computes: it waits for the worker's verdict on the step, then for each of its
-pieces in order takes the piece from the ring, updates master, moments (and the compute
-copy) in one pass (``megaray.adamw``), and releases the piece: its new version is published,
-then its slab freed (``megaray.protocol``), so the worker never reads a half-written layer
-nor overwrites an unread gradient. The gradient arrives already clipped: the worker scales
-it on the GPU by the exact global clip coefficient before it leaves. A skipped step
-(non-finite loss or gradient) advances the versions and touches nothing else.
+pieces in order takes the piece's gradient, updates master, moments (and the compute copy)
+in one pass (``megaray.adamw``), and releases the piece (``megaray.protocol``), so the
+worker never reads a half-written layer nor overwrites an unread gradient. Through the ring
+(``optim.grad_placement`` device) the gradient arrives already clipped: the worker scaled it
+on the GPU; from the host gradient buffer (host) the shard applies the verdict's clip
+coefficient in the update itself (the same fp32 multiply). With clipping off and the host
+buffer, nothing waits for the norm: a piece is updated as soon as it lands, and a unit whose
+own gradient is not finite is skipped. A skipped step (non-finite loss or gradient)
+advances the versions and touches nothing else.
 
 Checkpoints hold the moments by (unit, start, stop) with each range's Adam step, never by
 piece index, so a run resumes with another shard count or slab size bit for bit.
@@ -64,7 +67,7 @@ class OptimizerShard:
     def kernel(self) -> str:
         """Which AdamW runs here (for the run's log)."""
         o = self.cfg.optim
-        return self.adam.describe(self.h.master_dtype, o.moment_dtype, "float32", not self.h.aliased)
+        return self.adam.describe(self.h.master_dtype, o.moment_dtype, self.h.grad_dtype, not self.h.aliased)
 
     def apply(self, step: int, lr: float) -> dict:
         """Apply step ``step`` to every piece of this shard as its gradient arrives.
@@ -84,33 +87,44 @@ class OptimizerShard:
         out = {"update_s": 0.0, "wait_s": 0.0, "params": 0, "skipped": False}
         if not self.pieces:
             return out
-        control, ring = self.buf.control, self.buf.ring
-        applied, out["wait_s"] = control.wait_verdict(step, timeout)
-        if not applied:
-            control.skip(self.pieces, step)
-            out["skipped"] = True
-            return out
+        control = self.buf.control
+        host = self.h.grad_placement == "host"
+        at_once = host and self.cfg.optim.clip_grad_norm is None     # no norm to wait for
+        coef = 1.0
+        if not at_once:
+            applied, out["wait_s"] = control.wait_verdict(step, timeout)
+            if not applied:
+                control.skip(self.pieces, step)
+                out["skipped"] = True
+                return out
+            coef = control.clip_coefficient() if host else 1.0      # the ring's gradients come clipped
+        source = self.buf.host_grads if host else self.buf.ring
         for i in self.pieces:
             piece = self.h.pieces[i]
-            grad, waited = ring.take(piece, step, timeout, f" ({self.h.units[piece.unit].name})")
+            what = f" ({self.h.units[piece.unit].name})"
+            if host:
+                grad, finite, waited = source.take(piece, step, timeout, what)
+            else:
+                (grad, waited), finite = source.take(piece, step, timeout, what), True
             out["wait_s"] += waited
             t0 = time.perf_counter()
-            self._update(i, grad, lr)
-            ring.release(piece, step)
+            if finite:                      # clipping off: a unit whose own gradient is not finite is skipped
+                self._update(i, grad, lr, coef)
+                out["params"] += piece.numel
+            source.release(piece, step)
             out["update_s"] += time.perf_counter() - t0
-            out["params"] += piece.numel
         if out["update_s"] > 0:
             self.metrics.set(optimizer_seconds=out["update_s"],
                              optimizer_params_per_second=out["params"] / out["update_s"])
         return out
 
-    def _update(self, i: int, grad: torch.Tensor, lr: float) -> None:
+    def _update(self, i: int, grad: torch.Tensor, lr: float, coef: float) -> None:
         o, piece = self.cfg.optim, self.h.pieces[i]
         self.steps[i] += 1
         t = self.steps[i]
         copy = None if self.h.aliased else self.buf.piece_compute(piece)
         self.adam.step(self.buf.piece_master(piece), grad, self.m[i], self.v[i],
-                       hyper(lr, tuple(o.betas), o.eps, self.decay[i], t), copy,
+                       hyper(lr, tuple(o.betas), o.eps, self.decay[i], t, grad_scale=coef), copy,
                        rounding_key(self.cfg.run.seed, piece.unit, t), piece.start, t)
 
     # ------------------------------------------------------------------ checkpoints

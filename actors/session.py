@@ -37,7 +37,7 @@ from megaray.config import RunConfig
 from megaray.errors import ActorFailure, ConfigError, MegarayError
 from megaray.hf.read import verify_source
 from megaray.layout import assign_pieces, build_layout
-from megaray.plan import Machine, check
+from megaray.plan import Machine, check, resolve
 from megaray.shm import remove_run, remove_stale
 
 from .calls import get_or_raise
@@ -106,7 +106,9 @@ class TrainingSession:
         # The memory plan, before anything is allocated (host and /dev/shm here, the GPU
         # through a probe task on a GPU of the cluster).
         gpu_free = ray.get(_gpu_free.remote()) if self.device == "cuda" else None
-        self.plan = check(cfg, Machine.here(cfg.cluster.shm_dir, gpu_bytes=gpu_free))
+        machine = Machine.here(cfg.cluster.shm_dir, gpu_bytes=gpu_free)
+        self.cfg = cfg = resolve(cfg, machine)       # optim.grad_placement auto, decided for this GPU
+        self.plan = check(cfg, machine)
         self._reserve()
         store = self._spawn(ParameterStore, "store", cfg, self.run_id, os.getpid())
         try:

@@ -8,6 +8,13 @@ begins (its first layers wait only for their own pieces' updates). Each unit's d
 goes back as soon as its last piece has landed. ``skip`` publishes a skipped step instead:
 no piece leaves the device.
 
+With ``optim.grad_placement`` host the gradients do not wait on the device: ``ship_unit``
+sends each unit's gradient to its region of the host gradient buffer as soon as its backward
+is done (on the copy-out stream, rounded to ``optim.grad_dtype`` there), and the copy-out
+thread publishes each piece once its bytes have landed, with whether the unit's gradient is
+finite; ``decide`` then publishes the verdict and the clip coefficient, which the shards
+apply. The device frees each unit's gradient as soon as it has left.
+
 A worker on another node hands the (scaled) gradients to the relay actor, which publishes
 the verdict and fills the ring on the store's node.
 """
@@ -18,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from megaray.buffers import Handles, RunBuffers
+from megaray.buffers import DTYPES, Handles, RunBuffers
 from megaray.config import RunConfig
 from megaray.errors import RunAborted
 
@@ -29,23 +36,66 @@ from .device import Device, StepClock
 class GradientShipper:
     def __init__(self, cfg: RunConfig, h: Handles, dev: Device, buf: RunBuffers | None, relay=None):
         self.cfg, self.h, self.dev, self.buf, self.relay = cfg, h, dev, buf, relay
+        self.host = h.grad_placement == "host"
         if buf is not None:
-            dev.pin(buf.files["ring"].bytes, "the gradient ring")
+            home = "grads" if self.host else "ring"
+            dev.pin(buf.files[home].bytes, "the host gradient buffer" if self.host else "the gradient ring")
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="copy-out")
-        self._future: Future | None = None          # the previous step's gradients leaving
+        self._futures: list[Future] = []            # gradients leaving (the previous step's, or this one's units)
         self._stats: list[dict] = []                # copy-out statistics of finished steps
 
     def check_previous(self) -> None:
-        """Raise the previous step's copy-out failure, if it has failed."""
-        if self._future is not None and self._future.done():
-            self._future.result()
+        """Raise an earlier copy-out failure, if one has failed; forget the finished ones."""
+        for f in [f for f in self._futures if f.done()]:
+            f.result()
+            self._futures.remove(f)
 
     def error(self) -> str | None:
         """Why the copy-out failed, when that is what aborted the run."""
-        f = self._future
-        if f is not None and f.done() and f.exception() is not None and not isinstance(f.exception(), RunAborted):
-            return f"gradient copy-out failed: {type(f.exception()).__name__}: {f.exception()}"
+        for f in self._futures:
+            if f.done() and f.exception() is not None and not isinstance(f.exception(), RunAborted):
+                return f"gradient copy-out failed: {type(f.exception()).__name__}: {f.exception()}"
         return None
+
+    # ------------------------------------------------------------------ gradients in host memory
+    def ship_unit(self, step: int, u: int, g: torch.Tensor, sq: torch.Tensor) -> None:
+        """Unit u's gradient of step ``step`` (final) to its host region, now; ``sq`` is its
+        squared norm on the device (whether it is finite is published with it)."""
+        dst = self.buf.grad(u)
+        ev = None
+        if self.dev.cuda:
+            ready = self.dev.event_after_compute()
+            out = self.dev.out_stream
+            with torch.cuda.stream(out):
+                out.wait_event(ready)
+                dst.copy_(g, non_blocking=True)          # rounded to grad_dtype on the device
+                g.record_stream(out)
+                sq.record_stream(out)
+                ev = torch.cuda.Event()
+                ev.record(out)
+        self._futures.append(self._thread.submit(self._land_unit, step, u, g if ev is None else None, sq, ev))
+
+    def _land_unit(self, step: int, u: int, g, sq: torch.Tensor, ev) -> None:
+        """Copy-out thread: once unit u's bytes are in host memory, publish its pieces."""
+        try:
+            t0 = time.perf_counter()
+            if ev is not None:
+                ev.synchronize()
+            else:
+                self.buf.grad(u).copy_(g)
+            finite = bool(torch.isfinite(sq))
+            st = {"copy_out_s": time.perf_counter() - t0,
+                  "copy_out_bytes": self.buf.grad(u).numel() * self.buf.grad(u).element_size()}
+            for p in self.h.unit_pieces(u):
+                self.buf.host_grads.publish(self.h.pieces[p], step, finite)
+            self._stats.append(st)
+        except BaseException:
+            self.abort()
+            raise
+
+    def decide(self, step: int, applied: bool, coef: float) -> None:
+        """Publish the verdict of a step whose gradients went to host memory (the shards apply ``coef``)."""
+        self.buf.control.decide(step, applied, coef)
 
     def finished_stats(self) -> dict:
         """Copy-out statistics of the steps whose gradients have left since the last call."""
@@ -62,14 +112,14 @@ class GradientShipper:
                 for g in grads:
                     g.mul_(coef)
         if self.relay is not None:
-            self._future = self._thread.submit(self._ship_remote, step, [g.cpu() for g in grads])
+            self._futures.append(self._thread.submit(self._ship_remote, step, [g.cpu() for g in grads]))
             return
         ready = self.dev.event_after_compute()
         if ready is not None:
             for g in grads:
                 g.record_stream(self.dev.out_stream)
         self.buf.control.decide(step, True)
-        self._future = self._thread.submit(self._ship_local, step, grads, ready)
+        self._futures.append(self._thread.submit(self._ship_local, step, grads, ready))
 
     def skip(self, step: int) -> None:
         """Step ``step`` is skipped (a non-finite loss or gradient): nothing leaves the device."""
@@ -108,7 +158,7 @@ class GradientShipper:
                     st["copy_out_s"] += time.perf_counter() - t0
 
                 st["wait_slab_s"] += self.buf.ring.put(piece, step, copy, self.cfg.worker.wait_timeout_s)
-                st["copy_out_bytes"] += 4 * piece.numel
+                st["copy_out_bytes"] += DTYPES[self.h.grad_dtype].itemsize * piece.numel
                 if last[piece.unit] == piece.index:
                     grads[piece.unit] = None                # its device memory goes back now
             self._stats.append(st)

@@ -52,7 +52,8 @@ class GpuWorker:
         torch.set_num_threads(cfg.worker.threads)
         self.cfg, self.h, self.name, self.mcfg = cfg, handles, name, cfg.model
         self.units, self.L = handles.units, cfg.model.num_hidden_layers
-        self.dev = Device(device)
+        cap = cfg.worker.gpu_memory_gib
+        self.dev = Device(device, None if cap is None else int(cap * 2**30))
         self.group = DataParallelGroup(rank, world, self.dev, cfg.worker.wait_timeout_s)
         self.buf = None if relay is not None else RunBuffers(handles, kinds=("master", "compute", "ring", "control"))
         source = RelaySource(relay, self.dev) if relay is not None else SharedSource(cfg, handles, self.buf, self.dev)
@@ -99,11 +100,12 @@ class GpuWorker:
         n_tokens = int((targets != IGNORE_INDEX).sum()) if total_tokens is None else total_tokens
         inv_n = 1.0 / max(n_tokens, 1)
 
+        grads: list = [None] * len(self.units)
+        sq: list = [None] * len(self.units)          # each unit's squared gradient norm, on the device
         acts, kept, nxt = self._forward(step, inputs, timer, clock)
-        dys, g_head, g_embed, loss_sum, nxt = self._head(step, acts, kept, targets, inv_n, nxt, timer, clock)
-        grads = self._backward(step, inputs, acts, kept, dys, g_embed, nxt, timer, clock)
-        grads[-1] = g_head
-        out = self._decide_and_ship(step, grads, loss_sum, timer, clock)
+        dys, g_embed, loss_sum, nxt = self._head(step, acts, kept, targets, inv_n, nxt, grads, sq, timer, clock)
+        self._backward(step, inputs, acts, kept, dys, g_embed, nxt, grads, sq, timer, clock)
+        out = self._decide_and_ship(step, grads, sq, loss_sum, timer, clock)
 
         self.dev.wait_compute_and_copy_in()          # for the events' times; copy-out runs on
         for k, v in clock.gpu_time().items():
@@ -167,7 +169,8 @@ class GpuWorker:
         timer.add("forward_s", time.perf_counter() - t0)
         return acts, kept, nxt
 
-    def _head(self, step: int, acts: list, kept: dict, targets, inv_n: float, nxt, timer: StepTimer, clock: StepClock):
+    def _head(self, step: int, acts: list, kept: dict, targets, inv_n: float, nxt, grads: list, sq: list,
+              timer: StepTimer, clock: StepClock):
         """The chunked loss, the head's gradient, and the gradient into the last block's output."""
         t0 = time.perf_counter()
         U, L, M = len(self.units), self.L, len(acts[0])
@@ -202,17 +205,17 @@ class GpuWorker:
                     loss_sum += loss.detach().double()
                 dys[m] = dx.view(b, s, hdim)
         slots.release(U - 1)
+        self._gradient_done(step, U - 1, g_head, grads, sq, clock)
         timer.add("head_s", time.perf_counter() - t0)
-        return dys, g_head, g_embed, loss_sum, nxt
+        return dys, g_embed, loss_sum, nxt
 
-    def _backward(self, step: int, inputs, acts: list, kept: dict, dys: list, g_embed, nxt, timer: StepTimer,
-                  clock: StepClock) -> list:
+    def _backward(self, step: int, inputs, acts: list, kept: dict, dys: list, g_embed, nxt, grads: list, sq: list,
+                  timer: StepTimer, clock: StepClock) -> None:
         """The blocks in reverse, each recomputed from its saved input unless kept, then the
         embedding's lookup gradient (plus the tied head's contribution)."""
         t0 = time.perf_counter()
-        U, L, M = len(self.units), self.L, len(dys)
+        L, M = self.L, len(dys)
         slots, policy = self.slots, self.acts
-        grads: list[torch.Tensor | None] = [None] * U
         keep_from, n_off = kept["keep_from"], kept["offloaded"]
         mlp_chunk = self.cfg.train.mlp_chunk_tokens
         first = keep_from - 1                               # the first recomputed block: its inputs
@@ -246,7 +249,7 @@ class GpuWorker:
                             y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk)
                             dys[m] = self._block_backward(self.units[u], w, y, x, dys[m], g)
                 slots.release(u)
-            grads[u] = g
+            self._gradient_done(step, u, g, grads, sq, clock)
         with clock.span(0):
             emb_flat, we = slots.weights(0, grad=True)
             for m in range(M):
@@ -255,9 +258,23 @@ class GpuWorker:
                     (gw,) = torch.autograd.grad(y, [emb_flat], grad_outputs=dys[m])
                 g_embed += gw
         slots.release(0)
-        grads[0] = g_embed
+        self._gradient_done(step, 0, g_embed, grads, sq, clock)
         timer.add("backward_s", time.perf_counter() - t0)
-        return grads
+
+    def _gradient_done(self, step: int, u: int, g: torch.Tensor, grads: list, sq: list, clock: StepClock) -> None:
+        """Unit u's gradient of the step is final: it is summed over the data-parallel workers,
+        then waits on the device for the norm (``optim.grad_placement`` device), or, its
+        squared norm taken, leaves for host memory at once (host)."""
+        if self.group.world > 1:
+            with clock.span(-1):
+                self.group.sum([g])
+        if not self.shipper.host:
+            grads[u] = g
+            return
+        with clock.span(-1):
+            sq[u] = torch.linalg.vector_norm(g, dtype=torch.float64).square()
+        if self.group.rank == 0:
+            self.shipper.ship_unit(step, u, g, sq[u])
 
     def _block_backward(self, unit, w: dict, y: torch.Tensor, x: torch.Tensor, dy: torch.Tensor,
                         g: torch.Tensor) -> torch.Tensor:
@@ -270,23 +287,27 @@ class GpuWorker:
             g[spec.offset:spec.offset + spec.numel] += gv.reshape(-1)
         return out[-1]
 
-    def _decide_and_ship(self, step: int, grads: list, loss_sum: torch.Tensor, timer: StepTimer,
+    def _decide_and_ship(self, step: int, grads: list, sq: list, loss_sum: torch.Tensor, timer: StepTimer,
                          clock: StepClock) -> dict:
         """The global norm (summed over the data-parallel workers first), the verdict, exact
         clipping, and the gradients' way out (rank 0 only)."""
         t0 = time.perf_counter()
+        host = self.shipper.host
         if self.group.world > 1:
             with clock.span(-1):
-                self.group.sum(grads, loss_sum)
-        with clock.span(-1):
-            sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads])
-        sq = sq.cpu()                                       # waits for the backward to finish
+                self.group.sum([], loss_sum)
+        if not host:
+            with clock.span(-1):
+                sq = [torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads]
+        sq = torch.stack(sq).cpu()                          # waits for the backward to finish
         loss_total = float(loss_sum)
         norm = math.sqrt(float(sq.sum()))
         finite = math.isfinite(norm) and math.isfinite(loss_total)
         coef = clip_coefficient(norm, self.cfg.optim.clip_grad_norm) if finite else 0.0
         if self.group.rank == 0:            # rank 0 decides the step and ships the (identical) sum
-            if finite:
+            if host:
+                self.shipper.decide(step, finite, coef)
+            elif finite:
                 self.shipper.ship(step, grads, coef, clock)
             else:
                 self.shipper.skip(step)

@@ -8,10 +8,14 @@ parameter: 28 with fp32 state and gradient (+2 with the compute copy), 26 with a
 gradient, 18 with bf16 moments and gradient.
 
 Which code runs was chosen by measurement on the reference host (16 cores, BENCHMARKS.md,
-session 5): with fp32 master, moments and gradient and no compute copy, torch's own fused
+session 5), under one constraint: where the compute copy is made (``optim.compute_copy``)
+must never change the training. With fp32 master, moments and gradient, torch's own fused
 AdamW (``torch._fused_adamw_``, already one pass: 6.2 G params/s over 16 processes against the
-C kernel's 4.6); every other combination runs the C kernel (bf16 moments and gradients 7.9 G
-params/s against 2.7 for torch's upcasting path; with the compute copy 5.1 against 4.1).
+C kernel's 4.6), and the host's bf16 copy, where there is one, in a second pass over the
+updated weights (the C kernel would write it in the same pass, 5.1 against 4.1, but with its
+own arithmetic the weights would then depend on where the copy is made). Every combination
+with bf16 state or gradients runs the C kernel (bf16 moments and gradients 7.9 G params/s
+against 2.7 for torch's upcasting path).
 
 The kernel (``megaray/kernels/adamw.c``) is compiled on first use with the machine's C
 compiler into a per-user cache (``$XDG_CACHE_HOME/megaray`` or ``~/.cache/megaray``, else
@@ -190,10 +194,9 @@ def _check(master, grad, m, v, copy) -> None:
     assert copy is None or (master.dtype == torch.float32 and copy.dtype == torch.bfloat16)
 
 
-def torch_fused_applies(master, grad, m, copy) -> bool:
-    """fp32 master, moments and gradient, no compute copy: torch's fused AdamW is the faster one."""
-    f32 = torch.float32
-    return master.dtype == grad.dtype == m.dtype == f32 and copy is None
+def torch_fused_applies(master, grad, m) -> bool:
+    """fp32 master, moments and gradient: torch's fused AdamW (with or without a copy)."""
+    return master.dtype == grad.dtype == m.dtype == torch.float32
 
 
 class AdamW:
@@ -210,8 +213,8 @@ class AdamW:
 
     def describe(self, master_dtype: str, moment_dtype: str, grad_dtype: str, copy: bool) -> str:
         """Which code updates this state (for the run's log)."""
-        if master_dtype == moment_dtype == grad_dtype == "float32" and not copy:
-            return "torch's fused AdamW (fp32 state)"
+        if master_dtype == moment_dtype == grad_dtype == "float32":
+            return "torch's fused AdamW (fp32 state)" + (" and a pass for the bf16 copy" if copy else "")
         return "the fused C kernel" if self.fused else "the torch fallback of the C kernel (no C compiler)"
 
     def step(self, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: Hyper,
@@ -223,8 +226,10 @@ class AdamW:
         n = master.numel()
         if n == 0:
             return
-        if torch_fused_applies(master, grad, m, copy):
+        if torch_fused_applies(master, grad, m):
             self._torch_fused(master, grad, m, v, h, adam_step)
+            if copy is not None:
+                copy.copy_(master)                    # rounded to nearest, as the GPU's cast would
             return
         run = self._kernel_range if self.lib is not None else _torch_range
         if self.pool is None or n < 2 * CHUNK:

@@ -14,6 +14,8 @@ Files of one run (see ``megaray.shm`` for naming):
   gradient is cut into pieces of at most one slab (``megaray.layout.cut_pieces``); piece p
   of a step always travels through slab ``p mod R``. Gradients use no other host memory, so
   the ring's size, not the model's, bounds it.
+- ``grads`` (``optim.grad_placement`` host, instead of the ring): every unit's gradient as it
+  left the GPU, in ``optim.grad_dtype``, waiting for the step's norm; one region a unit.
 - ``control``: the protocol's int64 control words (``megaray.protocol``).
 """
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from megaray.layout import Piece, UnitLayout, align, cut_pieces, unit_offsets
-from megaray.protocol import Control, GradientRing, control_words
+from megaray.protocol import Control, GradientRing, HostGradients, control_words
 from megaray.shm import ShmFile, file_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -46,10 +48,15 @@ class Handles:
     slab_numel: int
     ring_slabs: int
     unit_piece_ranges: tuple[tuple[int, int], ...]     # unit -> [first piece, last piece + 1)
+    grad_placement: str = "device"                     # where gradients wait for the norm
+    grad_dtype: str = "float32"                        # what crosses the link and waits in host memory
+    grad_offsets: tuple[int, ...] = ()
+    grad_bytes: int = 0
 
     @classmethod
     def plan(cls, run_id: str, owner_pid: int, shm_dir: str, compute_dtype: str, units,
-             slab_numel: int, ring_slabs: int, master_dtype: str = "float32", host_copy: bool = True) -> Handles:
+             slab_numel: int, ring_slabs: int, master_dtype: str = "float32", host_copy: bool = True,
+             grad_placement: str = "device", grad_dtype: str = "float32") -> Handles:
         units = tuple(units)
         m_off, m_bytes = unit_offsets(units, DTYPES[master_dtype].itemsize)
         if compute_dtype == master_dtype or not host_copy:
@@ -62,14 +69,18 @@ class Handles:
         for p in pieces:                      # pieces are cut in unit order: one pass
             first.setdefault(p.unit, p.index)
         ranges = tuple((first[u.index], first.get(u.index + 1, len(pieces))) for u in units)
+        g_off, g_bytes = unit_offsets(units, DTYPES[grad_dtype].itemsize) if grad_placement == "host" else ((), 0)
+        if grad_placement == "host":
+            ring_slabs = 0                    # gradients wait in their own regions, not in a ring
         return cls(run_id, owner_pid, shm_dir, compute_dtype, master_dtype, units, m_off, m_bytes, c_off, c_bytes,
-                   pieces, slab_numel, ring_slabs, ranges)
+                   pieces, slab_numel, ring_slabs, ranges, grad_placement, grad_dtype, g_off, g_bytes)
 
     @classmethod
     def for_config(cls, cfg, run_id: str, owner_pid: int, units) -> Handles:
+        o = cfg.optim
         return cls.plan(run_id, owner_pid, cfg.cluster.shm_dir, cfg.train.compute_dtype, units,
-                        cfg.optim.slab_numel, cfg.optim.ring_slabs, cfg.optim.master_dtype,
-                        cfg.host_compute_copy)
+                        o.slab_numel, o.ring_slabs, o.master_dtype, cfg.host_compute_copy,
+                        "host" if o.grad_placement == "host" else "device", o.grad_dtype)
 
     def unit_pieces(self, u: int) -> range:
         """Indices of unit u's pieces (consecutive, since pieces are cut in unit order)."""
@@ -77,7 +88,7 @@ class Handles:
 
     @property
     def slab_bytes(self) -> int:
-        return align(self.slab_numel * 4)
+        return align(self.slab_numel * DTYPES[self.grad_dtype].itemsize)
 
     @property
     def ring_bytes(self) -> int:
@@ -109,7 +120,11 @@ class Handles:
         return 8 * self.control_words
 
     def file_sizes(self) -> dict[str, int]:
-        sizes = {"master": self.master_bytes, "ring": self.ring_bytes, "control": self.control_bytes}
+        sizes = {"master": self.master_bytes, "control": self.control_bytes}
+        if self.grad_placement == "host":
+            sizes["grads"] = self.grad_bytes
+        else:
+            sizes["ring"] = self.ring_bytes
         if not self.aliased:
             sizes["compute"] = self.compute_bytes
         return sizes
@@ -120,18 +135,22 @@ class RunBuffers:
     protocol's ``control`` words and gradient ``ring`` when those files are mapped."""
 
     def __init__(self, h: Handles, create: bool = False, kinds=("master", "compute", "ring", "control")):
+        """Map the files of ``kinds`` that this run has ('ring' stands for the gradients'
+        home: the ring, or the host gradient buffer)."""
         self.h = h
         self.files: dict[str, ShmFile] = {}
         sizes = h.file_sizes()
+        kinds = [("grads" if k == "ring" and h.grad_placement == "host" else k) for k in kinds]
         for kind in kinds:
-            if kind == "compute" and h.aliased:
-                continue
-            self.files[kind] = ShmFile(h.path(kind), sizes[kind], create)
+            if kind in sizes:
+                self.files[kind] = ShmFile(h.path(kind), sizes[kind], create)
         self.control = None
         if "control" in self.files:
             self.control = Control(self.files["control"].view(torch.int64, 0, h.control_words), len(h.pieces),
                                    h.ring_slabs)
         self.ring = GradientRing(self.control, self.slab) if "ring" in self.files and self.control else None
+        self.host_grads = (HostGradients(self.control, self.piece_grad) if "grads" in self.files and self.control
+                           else None)
 
     def master(self, u: int) -> torch.Tensor:
         return self.files["master"].view(DTYPES[self.h.master_dtype], self.h.master_offsets[u], self.h.units[u].numel)
@@ -151,5 +170,13 @@ class RunBuffers:
         return self.compute(p.unit)[p.start:p.stop]
 
     def slab(self, s: int, numel: int | None = None) -> torch.Tensor:
-        return self.files["ring"].view(torch.float32, s * self.h.slab_bytes,
+        """Slab s of the ring (in ``optim.grad_dtype``)."""
+        return self.files["ring"].view(DTYPES[self.h.grad_dtype], s * self.h.slab_bytes,
                                        self.h.slab_numel if numel is None else numel)
+
+    def grad(self, u: int) -> torch.Tensor:
+        """Unit u's region of the host gradient buffer (``optim.grad_placement`` host)."""
+        return self.files["grads"].view(DTYPES[self.h.grad_dtype], self.h.grad_offsets[u], self.h.units[u].numel)
+
+    def piece_grad(self, p: Piece) -> torch.Tensor:
+        return self.grad(p.unit)[p.start:p.stop]

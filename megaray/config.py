@@ -269,6 +269,18 @@ class OptimConfig:
     several times) and the workers share the store's node, else host. No effect when the
     master already has the compute dtype."""
 
+    grad_placement: str = "auto"
+    """Where a step's gradients wait for the global norm (exact clipping needs it): 'device'
+    (fp32 on the GPU, 4 bytes a parameter of GPU memory; they leave through the gradient
+    ring, clipped, while the next step starts), 'host' (each unit's gradient leaves the GPU
+    as soon as its backward is done, into a host buffer of grad_dtype, and the shards apply
+    the clip coefficient: the GPU needs no memory that grows with the model), or 'auto':
+    device when the step fits the GPU that way, else host."""
+    grad_dtype: str = "float32"
+    """Dtype of the gradients that cross the link and wait in host memory: float32, or
+    bfloat16 (half the copy-out and the host bytes; the norm is taken from the fp32 values on
+    the GPU before they are rounded)."""
+
     def __post_init__(self):
         if not self.lr > 0:
             raise ConfigError("optim.lr", f"must be > 0 (got {self.lr})")
@@ -296,6 +308,10 @@ class OptimConfig:
             raise ConfigError("optim.grad_ring_slabs", "must be >= 1 or null")
         if self.shard_layout not in ("contiguous", "interleaved"):
             raise ConfigError("optim.shard_layout", f"must be contiguous or interleaved (got {self.shard_layout!r})")
+        if self.grad_placement not in ("auto", "device", "host"):
+            raise ConfigError("optim.grad_placement", f"must be auto, device or host (got {self.grad_placement!r})")
+        if self.grad_dtype not in _DTYPES:
+            raise ConfigError("optim.grad_dtype", f"must be one of {_DTYPES} (got {self.grad_dtype!r})")
         if self.compute_copy not in ("auto", "host", "device"):
             raise ConfigError("optim.compute_copy", f"must be auto, host or device (got {self.compute_copy!r})")
         for key in ("moment_dtype", "master_dtype"):
@@ -335,6 +351,10 @@ class WorkerConfig:
     not fit the GPU, then as many as it takes."""
     wait_timeout_s: float = 600.0
     """Longest wait for an optimizer update or a free gradient slab before the run fails."""
+    gpu_memory_gib: float | None = None
+    """Cap on the GPU memory a worker uses (the caching allocator's per-process fraction and the
+    plan both hold to it): share a GPU, or size a run for a smaller card on a large one; null:
+    all that is free."""
 
     def __post_init__(self):
         if self.device not in ("auto", "cuda", "cpu"):
@@ -351,6 +371,8 @@ class WorkerConfig:
             raise ConfigError("worker.offload_inputs", "must be >= 0 or null")
         if self.wait_timeout_s <= 0:
             raise ConfigError("worker.wait_timeout_s", "must be > 0")
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            raise ConfigError("worker.gpu_memory_gib", f"must be > 0 or null (got {self.gpu_memory_gib})")
 
 
 @dataclass(kw_only=True)

@@ -86,20 +86,40 @@ class StepShape:
                    s * tokens * m.hidden_size, per_token * tokens + s * block, per_token, chunked)
 
 
+def grads_on_device(cfg: RunConfig) -> bool:
+    """Whether the step's gradients wait on the GPU for the norm (``optim.grad_placement``;
+    'auto' counts as the device until a machine resolves it: ``megaray.plan.resolve``)."""
+    return cfg.optim.grad_placement != "host"
+
+
 def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: int = 0) -> dict[str, int]:
     """The step's GPU memory at its peak, item by item, keeping the last ``keep`` blocks'
-    activations and offloading the first ``offload`` blocks' inputs."""
+    activations and offloading the first ``offload`` blocks' inputs.
+
+    With the gradients in host memory (``optim.grad_placement`` host) the device holds, at
+    any time, the tied embedding's gradient and two other units' (the one being computed,
+    the one leaving): nothing that grows with depth. With every input offloaded and nothing
+    kept, the whole need is then independent of the number of blocks: two block slots and the
+    embedding's and head's, one block's inputs (two while they come back), the activation
+    gradient, one micro-batch's recomputation workspace, the loss chunk, those gradients, the
+    cast's staging slab and the CUDA context."""
     m, t = cfg.model, cfg.train
     sh = StepShape.of(cfg)
     L, s = sh.layers, sh.dtype_bytes
     keep = max(0, min(L, keep))
     n_off = max(0, min(L - keep, offload))
-    grads_ends = 4 * (sh.embed_numel + sh.head_numel)        # head's and embedding's, from the backward's start
+    if grads_on_device(cfg):
+        grads_ends = 4 * (sh.embed_numel + sh.head_numel)    # head's and embedding's, from the backward's start
+        grads_per_block = 4 * sh.block_numel                   # each block's, until the norm is known
+    else:
+        tied = sh.embed_numel if m.tie_word_embeddings else 0
+        grads_ends = 4 * (tied + 2 * max(sh.block_numel, sh.head_numel, 0 if tied else sh.embed_numel))
+        grads_per_block = 0
     best = ((L + 1 - n_off) * sh.one_input + keep * sh.kept_one + grads_ends, L + 1 - n_off, keep, L)
     for j in range(L, -1, -1):                                  # blocks 0..j-1 not yet backwarded
         on_gpu_inputs = max(0, j - n_off) + (min(2, j) if j <= n_off else min(1, n_off))
         alive_kept = max(0, j - (L - keep))
-        total = on_gpu_inputs * sh.one_input + alive_kept * sh.kept_one + grads_ends + 4 * sh.block_numel * (L - j)
+        total = on_gpu_inputs * sh.one_input + alive_kept * sh.kept_one + grads_ends + grads_per_block * (L - j)
         if total > best[0]:
             best = (total, on_gpu_inputs, alive_kept, j)
     _, n_inputs, n_kept, j = best
@@ -108,7 +128,7 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
         "weight slots (embed, head, 2 blocks)": s * (sh.embed_numel + sh.head_numel + 2 * sh.block_numel),
         "saved block inputs (at the peak)": n_inputs * sh.one_input,
         "gradient of the step's activations": sh.one_input,
-        "fp32 gradients (at the peak)": grads_ends + 4 * sh.block_numel * (L - j),
+        "fp32 gradients (at the peak)": grads_ends + grads_per_block * (L - j),
         # a recomputed block's internals, and its MLP backward's rebuilt silu(gate), the
         # product's gradient and the gate's and up's gradients
         "recomputation workspace (1 micro-batch)": sh.internal_per_token * sh.micro_tokens + (

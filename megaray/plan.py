@@ -83,8 +83,11 @@ class Plan:
 
     @property
     def host_bytes_per_param(self) -> float:
-        """Training state per parameter: shared memory (object store included) and moments."""
-        state = self.shm_total + sum(v for k, v in self.host_private.items() if k.startswith("adam moments"))
+        """megaray's training state in host memory per parameter: its shared files (masters,
+        compute copy, gradient ring or buffer, control words) and the moments; not Ray's
+        object store, a fixed allowance of the cluster listed beside it."""
+        state = sum(v for k, v in self.shm.items() if k != "ray object store")
+        state += sum(v for k, v in self.host_private.items() if k.startswith("adam moments"))
         return state / self.params
 
     def report(self, machine: Machine | None = None) -> str:
@@ -113,8 +116,11 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
     p.shm = {f"{_SHORT[o.master_dtype]} master weights": h.master_bytes}
     if not h.aliased:
         p.shm[f"{t.compute_dtype} compute copy"] = h.compute_bytes
-    p.shm.update({f"gradient ring ({h.ring_slabs} x {h.slab_bytes / 2**20:g} MiB)": h.ring_bytes,
-                  "control words": h.control_bytes})
+    if h.grad_placement == "host":
+        p.shm[f"gradients waiting for the norm ({_SHORT[h.grad_dtype]}, host)"] = h.grad_bytes
+    else:
+        p.shm[f"gradient ring ({h.ring_slabs} x {h.slab_bytes / 2**20:g} MiB)"] = h.ring_bytes
+    p.shm["control words"] = h.control_bytes
     if cfg.cluster.address is None:
         p.shm["ray object store"] = cfg.cluster.object_store_mb * 2**20
     p.host_private = {f"adam moments ({_SHORT[o.moment_dtype]})": 2 * DTYPES[o.moment_dtype].itemsize * p.params,
@@ -173,16 +179,14 @@ def shortfalls(p: Plan, machine: Machine) -> list[str]:
 
 def largest_fit(cfg: RunConfig, machine: Machine) -> tuple[int, int]:
     """Largest micro_batch_size at this seq_len, and largest seq_len (a multiple of 256) at
-    this micro-batch, on the GPU (the need grows with both: a bisection)."""
+    this micro-batch, on the GPU, as the run would be set up for each (a bisection)."""
     if machine.gpu_bytes is None:
         return cfg.train.micro_batch_size, cfg.train.seq_len
-    slab = cast_slab_bytes(cfg)
+    gpu = gpu_budget(cfg, machine)
 
-    def fits(mb, seq):
-        tr = dataclasses.replace(cfg.train, micro_batch_size=mb, seq_len=seq)
-        w = cfg.worker
-        return memory.gpu_total(dataclasses.replace(cfg, train=tr), w.keep_activations or 0, w.offload_inputs or 0,
-                                slab) <= machine.gpu_bytes
+    def fits(mb, seq):         # as the run would be set up: its gradients' home and offloaded inputs decided
+        c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=mb, seq_len=seq))
+        return plan_for(c, machine).gpu_total <= gpu
 
     mb = max(0, memory._largest(lambda k: fits(k, cfg.train.seq_len), 1, 4096))
     seq = 256 * max(0, memory._largest(lambda k: fits(cfg.train.micro_batch_size, 256 * k), 1,
@@ -201,20 +205,44 @@ def offload_needed(cfg: RunConfig, gpu_bytes: int) -> int:
     return memory.offload_count(cfg, gpu_bytes, cast_slab_bytes=cast_slab_bytes(cfg))
 
 
+def gpu_budget(cfg: RunConfig, machine: Machine) -> int | None:
+    """The GPU memory the run may use on ``machine``: what is free, at most worker.gpu_memory_gib."""
+    if machine.gpu_bytes is None or cfg.worker.gpu_memory_gib is None:
+        return machine.gpu_bytes
+    return min(machine.gpu_bytes, int(cfg.worker.gpu_memory_gib * GiB))
+
+
+def resolve(cfg: RunConfig, machine: Machine) -> RunConfig:
+    """The config with ``optim.grad_placement`` auto decided for ``machine``: the device when the
+    step fits its GPU that way (offloading inputs if it must), else host memory."""
+    if cfg.optim.grad_placement != "auto":
+        return cfg
+    choice = "device"
+    gpu = gpu_budget(cfg, machine)
+    if gpu is not None:
+        on_device = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_placement="device"))
+        if plan_for(on_device, machine).gpu_total > gpu:
+            choice = "host"
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_placement=choice))
+
+
 def plan_for(cfg: RunConfig, machine: Machine) -> Plan:
     """The plan of the run as it would run on ``machine``: on its GPU (offloading the inputs
     the worker would offload) or, without one, on the CPU (which holds the step's gradients)."""
+    cfg = resolve(cfg, machine)
+    gpu = gpu_budget(cfg, machine)
     offload = None
-    if cfg.worker.offload_inputs is None and machine.gpu_bytes is not None:
-        offload = offload_needed(cfg, machine.gpu_bytes)     # what the worker will choose
-    return plan(cfg, on_gpu=machine.gpu_bytes is not None, offload=offload)
+    if cfg.worker.offload_inputs is None and gpu is not None:
+        offload = offload_needed(cfg, gpu)     # what the worker will choose
+    return plan(cfg, on_gpu=gpu is not None, offload=offload)
 
 
 def check(cfg: RunConfig, machine: Machine | None = None) -> Plan:
     """Raise PlanError with the report when the machine cannot hold the run."""
     machine = machine or Machine.here(cfg.cluster.shm_dir)
     p = plan_for(cfg, machine)
-    short = shortfalls(p, machine)
+    budget = gpu_budget(cfg, machine)
+    short = shortfalls(p, dataclasses.replace(machine, gpu_bytes=budget))
     if short:
         raise PlanError("the run does not fit this machine:\n  " + "\n  ".join(short) + "\n" + p.report(machine))
     return p

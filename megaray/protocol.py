@@ -6,15 +6,23 @@ tested once (``tests/test_protocol.py``). Nothing here knows about models or Ray
 
 Control words (int64, one shared file ``control``):
 
-    [abort, decided, verdict, version[0..P), slab_piece[0..R), slab_step[0..R)]
+    [abort, decided, verdict, clip coefficient (float64 bits), version[0..P),
+     grad_ready[0..P), slab_piece[0..R), slab_step[0..R)]
 
 - ``version[p]``: optimizer steps applied to piece p. The writer stages piece p for step t
   only once ``version[p] >= t`` (``wait_version``), so a layer's weights are never read while
   their update runs, and never read stale.
 - ``decided`` = t + 1 once the writer knows step t's global gradient norm; ``verdict`` says
-  whether step t is applied (1) or skipped (0). ``decide`` writes the verdict before
-  ``decided``; the writer decides t + 1 only after staging every piece for t + 1, i.e.
-  after every piece has version t + 1, so a reader never sees a later step's verdict.
+  whether step t is applied (1) or skipped (0), and the coefficient word the exact clip
+  factor the readers apply (gradients that waited in host memory are not yet clipped).
+  ``decide`` writes verdict and coefficient before ``decided``; the writer decides t + 1
+  only after staging every piece for t + 1, i.e. after every piece has version t + 1, so a
+  reader never sees a later step's verdict.
+- Gradients waiting in host memory (``optim.grad_placement`` host): one region a unit, a
+  single buffer. ``HostGradients.publish`` sets ``grad_ready[p] = 2 (t + 1) + finite`` once
+  piece p's bytes of step t have landed; ``take`` waits for it. The writer overwrites unit
+  u's region for step t + 1 only in that step's backward, after its forward staged u, i.e.
+  after every piece of u was released for step t: a region is never rewritten while read.
 - The gradient ring: R slabs in a shared file; piece p of a step travels through slab
   ``p mod R``. ``slab_piece[s]`` is p + 1 from the moment the writer has copied piece p into
   slab s (``slab_step[s]`` its step) until the piece's reader has applied it, and 0 when the
@@ -35,12 +43,12 @@ import torch
 from megaray.errors import RunAborted
 from megaray.layout import Piece
 
-_ABORT, _DECIDED, _VERDICT, _FIXED = 0, 1, 2, 3
+_ABORT, _DECIDED, _VERDICT, _COEF, _FIXED = 0, 1, 2, 3, 4
 
 
 def control_words(num_pieces: int, ring_slabs: int) -> int:
     """How many int64 words the control file holds."""
-    return _FIXED + num_pieces + 2 * ring_slabs
+    return _FIXED + 2 * num_pieces + 2 * ring_slabs
 
 
 def wait_until(ready: Callable[[], bool], what: str, timeout_s: float, aborted: Callable[[], bool]) -> float:
@@ -70,8 +78,9 @@ class Control:
         assert words.dtype == torch.int64 and words.numel() >= control_words(num_pieces, ring_slabs)
         self.words, self.num_pieces, self.ring_slabs = words, num_pieces, ring_slabs
         self._ver = _FIXED
-        self._slab_piece = _FIXED + num_pieces
-        self._slab_step = _FIXED + num_pieces + ring_slabs
+        self._ready = _FIXED + num_pieces
+        self._slab_piece = _FIXED + 2 * num_pieces
+        self._slab_step = _FIXED + 2 * num_pieces + ring_slabs
 
     # ---------------------------------------------------------------- abort and waiting
     def abort(self) -> None:
@@ -102,13 +111,22 @@ class Control:
     def skip(self, pieces, step: int) -> None:
         """A reader's side of a skipped step: its pieces reach version step + 1 unchanged."""
         for p in pieces:
-            self.words[self._ver + p] = step + 1
+            self.publish_version(p, step + 1)
+
+    def publish_version(self, p: int, version: int) -> None:
+        self.words[self._ver + p] = version
 
     # ---------------------------------------------------------------- the verdict
-    def decide(self, step: int, apply: bool) -> None:
-        """Publish step ``step``'s verdict: applied, or skipped. The verdict word first."""
+    def decide(self, step: int, apply: bool, coef: float = 1.0) -> None:
+        """Publish step ``step``'s verdict: applied (with the clip coefficient the readers
+        apply), or skipped. The verdict and coefficient words first."""
         self.words[_VERDICT] = 1 if apply else 0
+        self.words[_COEF] = int(torch.tensor(coef, dtype=torch.float64).view(torch.int64))
         self.words[_DECIDED] = step + 1
+
+    def clip_coefficient(self) -> float:
+        """The coefficient of the step decided last (read after ``wait_verdict``)."""
+        return float(self.words[_COEF: _COEF + 1].view(torch.float64))
 
     def decided(self, step: int) -> bool:
         return int(self.words[_DECIDED]) >= step + 1
@@ -144,6 +162,7 @@ class Control:
         self.words[self._ver: self._ver + self.num_pieces] = step
         self.words[self._slab_piece: self._slab_piece + self.ring_slabs] = 0
         self.words[_DECIDED] = step
+        self.words[self._ready: self._ready + self.num_pieces] = 2 * step
 
 
 class GradientRing:
@@ -179,5 +198,35 @@ class GradientRing:
     def release(self, piece: Piece, step: int) -> None:
         """After the update of ``piece`` for ``step``: publish its version, then free its slab."""
         c = self.control
-        c.words[c._ver + piece.index] = step + 1
+        c.publish_version(piece.index, step + 1)
         c._free(self.slab_of(piece))
+
+
+class HostGradients:
+    """Gradients waiting in host memory for the norm (``optim.grad_placement`` host): one
+    region a unit in the shared ``grads`` file, with the control words that say when each
+    piece of it holds which step's gradient."""
+
+    def __init__(self, control: Control, region: Callable[[Piece], torch.Tensor]):
+        self.control, self._region = control, region
+
+    def _word(self, p: int) -> int:
+        return int(self.control.words[self.control._ready + p])
+
+    def publish(self, piece: Piece, step: int, finite: bool = True) -> None:
+        """The writer's side, once the piece's bytes of step ``step`` have landed."""
+        self.control.words[self.control._ready + piece.index] = 2 * (step + 1) + (1 if finite else 0)
+
+    def take(self, piece: Piece, step: int, timeout_s: float, what: str = "") -> tuple[torch.Tensor, bool, float]:
+        """A reader's side: wait for the piece's gradient of step ``step``; returns (its view,
+        whether it is finite, seconds waited). A later step's gradient there is an error."""
+        c = self.control
+        waited = c.wait(lambda: self._word(piece.index) >= 2 * (step + 1),
+                        f"the gradient of piece {piece.index}{what} of step {step}", timeout_s)
+        if self._word(piece.index) >= 2 * (step + 2):
+            raise RuntimeError(f"piece {piece.index} holds the gradient of a later step than {step}")
+        return self._region(piece), bool(self._word(piece.index) & 1), waited
+
+    def release(self, piece: Piece, step: int) -> None:
+        """After the update of ``piece`` for ``step``: publish its version."""
+        self.control.publish_version(piece.index, step + 1)

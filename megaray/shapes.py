@@ -29,4 +29,12 @@ SHAPES: dict[str, dict] = {
     "llama1b": llama_shape(hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192),
     "llama3b": llama_shape(hidden=3072, layers=28, heads=24, kv_heads=8, intermediate=8192),
     "llama8b": llama_shape(hidden=4096, layers=32, heads=32, kv_heads=8, intermediate=14336, tied=False),
+    # Qwen2.5-14B's dimensions without its q/k/v biases: 14.77B parameters
+    "qwen14b": llama_shape(hidden=5120, layers=48, heads=40, kv_heads=8, intermediate=13824, vocab=152064,
+                           tied=False, rope_theta=1000000.0, llama3_rope=False),
+    # Llama-3-70B: 70.55B parameters
+    "llama70b": llama_shape(hidden=8192, layers=80, heads=64, kv_heads=8, intermediate=28672, tied=False),
+    # a dense Llama-style 120B-class model (the paper's largest scale on one H200): width 12288,
+    # 76 blocks, 96 query and 8 kv heads of 128, SwiGLU 32768, Llama-3 vocabulary: 119.8B parameters
+    "dense120b": llama_shape(hidden=12288, layers=76, heads=96, kv_heads=8, intermediate=32768, tied=False),
 }

@@ -1,6 +1,8 @@
-"""Plan entrypoint: ``megaray plan CONFIG [section.key=value ...]`` prints the memory plan
-(host, shared memory, GPU, each component), checks it against this machine, and prints the
-largest micro-batch and sequence length that fit the GPU. Exit status 1 when it does not fit."""
+"""Plan entrypoint: ``megaray plan CONFIG [section.key=value ...]`` prints the memory plan (host,
+shared memory, GPU, each component) and the predicted step time, checks it against this
+machine (or, with ``--host-gib``/``--gpu-gib``, against a machine you do not have), and prints
+the largest micro-batch and sequence length that fit the GPU. Exit status 1 when it does not
+fit."""
 from __future__ import annotations
 
 import argparse
@@ -11,28 +13,57 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
+    p.add_argument("--host-gib", type=float, help="plan for a machine with this much host memory (GiB)")
+    p.add_argument("--gpu-gib", type=float, help="... and a GPU with this much memory (GiB); implies a GPU")
+    p.add_argument("--cores", type=int, help="CPU cores for the optimizer shards (default: this machine's, or "
+                                             "16 with --host-gib)")
+    p.add_argument("--link-gbps", type=float, help="host<->GPU copy rate, GB/s each way (default 53.7: pinned, PCIe 5)")
+    p.add_argument("--gpu-tflops", type=float, help="the GPU's bf16 model TFLOP/s on a step (default 380: H200)")
     a = p.parse_args(argv)
+    import os
+
+    from megaray.cost import Speeds, kept_blocks, predict
     from megaray.errors import ConfigError
     from megaray.loader import load_config
-    from megaray.plan import Machine, largest_fit, plan_for, savings, shortfalls
+    from megaray.memory import GiB
+    from megaray.plan import Machine, cast_slab_bytes, gpu_budget, largest_fit, plan_for, resolve, savings, shortfalls
 
     try:
         cfg = load_config(a.config, a.overrides)
     except ConfigError as e:
         print(f"megaray: config error: {e}", file=sys.stderr)
         return 2
-    machine = Machine.here(cfg.cluster.shm_dir, probe_gpu=cfg.worker.device != "cpu")
+    if a.host_gib is not None or a.gpu_gib is not None:
+        here = Machine.here(cfg.cluster.shm_dir)
+        host = int(a.host_gib * GiB) if a.host_gib is not None else here.host_bytes
+        machine = Machine(host, host, int(a.gpu_gib * GiB) if a.gpu_gib is not None else None)
+        where = (f"a machine of {host / GiB:.0f} GiB host memory and "
+                 + (f"a {a.gpu_gib:g} GiB GPU" if a.gpu_gib is not None else "no GPU"))
+    else:
+        machine = Machine.here(cfg.cluster.shm_dir, probe_gpu=cfg.worker.device != "cpu")
+        where = "this machine"
+    cfg = resolve(cfg, machine)
     pl = plan_for(cfg, machine)
+    print(f"plan for {where}; gradients wait for the norm on the "
+          f"{'GPU' if cfg.optim.grad_placement != 'host' else 'host'} (optim.grad_placement)")
     print(pl.report(machine))
     for override, saved, per_param in savings(cfg):
         print(f"option {override}: saves {saved / 2**30:.2f} GiB of host memory ({per_param:.2f} bytes/param)")
-    if machine.gpu_bytes is not None:
+    gpu = gpu_budget(cfg, machine)
+    if gpu is not None:
+        speeds = Speeds(gpu_tflops=a.gpu_tflops or 380.0, link_gbps=a.link_gbps or 53.7,
+                        cores=a.cores or (16 if a.host_gib is not None else os.cpu_count() or 1))
+        keep = kept_blocks(cfg, gpu, pl.offload_inputs, cast_slab_bytes(cfg))
+        t = predict(cfg, speeds, keep)
+        print(f"predicted step: {t['step_s']:.2f} s (compute {t['compute_s']:.2f}, copy-in {t['copy_in_s']:.2f}, "
+              f"copy-out {t['copy_out_s']:.2f}, updates {t['updates_s']:.2f} on {speeds.cores} cores; keeping "
+              f"{keep} blocks' activations), {cfg.train.tokens_per_step / t['step_s']:.0f} tokens/s")
         mb, seq = largest_fit(cfg, machine)
         print(f"largest micro_batch_size at seq_len {cfg.train.seq_len}: {mb}; "
               f"largest seq_len at micro_batch_size {cfg.train.micro_batch_size}: {seq}")
     else:
         print("no GPU visible here: the GPU column is not checked")
-    short = shortfalls(pl, machine)
+    short = shortfalls(pl, Machine(machine.host_bytes, machine.shm_bytes, gpu))
     for line in short:
         print(f"DOES NOT FIT: {line}")
     return 1 if short else 0

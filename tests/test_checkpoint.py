@@ -120,8 +120,9 @@ def test_resume_with_other_shards_and_slabs_is_bit_for_bit(reference_run, tmp_pa
 
 
 @pytest.mark.parametrize("opts", [["optim.moment_dtype=bfloat16"],
-                                  ["train.compute_dtype=bfloat16", "optim.compute_copy=host"]],
-                         ids=["bf16-moments", "bf16-copy-on-the-host"])
+                                  ["optim.moment_dtype=bfloat16", "train.compute_dtype=bfloat16",
+                                   "optim.compute_copy=host"]],
+                         ids=["bf16-moments", "bf16-moments-and-copy-on-the-host"])
 def test_each_state_dtype_resumes_bit_for_bit(ray_cluster, tmp_path, opts):
     """The C kernel's state combinations (bf16 moments rounded to nearest; the host's bf16
     compute copy written in the same pass) resume exactly as they would have continued."""

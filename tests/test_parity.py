@@ -54,7 +54,7 @@ def run_pair(model_overrides: dict, clip: float, keep: int, optim: dict):
         for step in range(STEPS):
             m = s.train_step(step, batches[step])
             ours_losses.append(m["loss"])
-            coefs.append(m["clip_coef"])
+            coefs.append(m["clip_coefficient"])
             kept.add(m["worker/kept_blocks"])
         final = s.state_dict()
 

@@ -81,7 +81,7 @@ def test_clipping_off_updates_during_backward(ray_cluster):
         before = s.state_dict()
         ms = [s.train_step(i, np.random.default_rng(i).integers(0, 256, (2, 2, 33))) for i in range(3)]
         after = s.state_dict()
-    assert all(m["clip_coef"] == 1.0 for m in ms)
+    assert all(m["clip_coefficient"] == 1.0 for m in ms)
     assert all(np.abs(after[k] - before[k]).max() > 0 for k in before)
 
 

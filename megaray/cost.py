@@ -1,0 +1,69 @@
+"""A step's predicted time from the machine's speeds: what ``megaray plan`` prints.
+
+A step is four streams of work that overlap (ARCHITECTURE.md, the update schedule): the GPU's
+compute, the weights crossing the link to it, the gradients crossing back, and the
+optimizer's updates on the CPU cores (which run under the next step's compute). The step
+takes about as long as the longest of them, plus one block's transfer before the first
+compute can start. The terms:
+
+- compute: the model's FLOPs (ARCHITECTURE.md's formula) and, for every block that is not
+  kept, its forward again in the backward (a third of its share), at ``gpu_tflops``;
+- copy-in: every unit's weights once in the forward, and the recomputed blocks' again in the
+  backward, in the dtype they cross the link (the host's bf16 copy, or the fp32 master cast
+  on the GPU), at ``link_gbps``;
+- copy-out: every gradient once, in ``optim.grad_dtype``, at ``link_gbps``;
+- updates: every parameter once, at the cores' AdamW rate for the run's state.
+
+The default speeds are megaray's own measurements on the reference machine (1x H200,
+16 cores; BENCHMARKS.md, sessions 4-5): compute rate as reached by llama3b/llama8b steps,
+the pinned link, and the AdamW rates summed over 16 processes divided by 16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megaray import memory
+from megaray.config import RunConfig
+from megaray.layout import build_layout
+from megaray.model import flops_per_step
+
+# G params/s per core of the update (16 processes x 1 thread, summed, / 16): by
+# (master, moments, gradient) storage; the host's bf16 copy costs about 20% more.
+ADAMW_PER_CORE = {("float32", "float32", "float32"): 6.2 / 16, ("float32", "float32", "bfloat16"): 6.1 / 16,
+                  ("float32", "bfloat16", "float32"): 7.4 / 16, ("float32", "bfloat16", "bfloat16"): 7.9 / 16,
+                  ("bfloat16", "bfloat16", "bfloat16"): 7.7 / 16}
+
+
+@dataclass(frozen=True)
+class Speeds:
+    gpu_tflops: float = 380.0      # bf16 model TFLOP/s of a step's compute on an H200
+    link_gbps: float = 53.7        # pinned host<->device GB/s, each direction
+    cores: int = 16                # cores for the optimizer shards
+
+
+def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
+    """Seconds of each term of a step and the predicted step time (``step_s``)."""
+    m, t, o = cfg.model, cfg.train, cfg.optim
+    units = build_layout(m)
+    n = m.num_params()
+    L = m.num_hidden_layers
+    block = units[1].numel if L else 0
+    recomputed = max(0, L - keep)
+    flops = flops_per_step(m, t.tokens_per_step, t.seq_len)
+    block_share = (6.0 * block * t.tokens_per_step + 6.0 * m.hidden_size * t.seq_len * t.tokens_per_step) / 3
+    compute = (flops + recomputed * block_share) / (speeds.gpu_tflops * 1e12)
+    stream_bytes = 2 if cfg.host_compute_copy or o.master_dtype == "bfloat16" else 4
+    copy_in = (n + recomputed * block) * stream_bytes / (speeds.link_gbps * 1e9)
+    copy_out = n * (2 if o.grad_dtype == "bfloat16" else 4) / (speeds.link_gbps * 1e9)
+    rate = ADAMW_PER_CORE.get((o.master_dtype, o.moment_dtype, o.grad_dtype), 6.0 / 16) * speeds.cores * 1e9
+    if cfg.host_compute_copy:
+        rate /= 1.2
+    updates = n / rate
+    first = block * stream_bytes / (speeds.link_gbps * 1e9)
+    return {"compute_s": compute, "copy_in_s": copy_in, "copy_out_s": copy_out, "updates_s": updates,
+            "step_s": max(compute, copy_in, copy_out, updates) + first}
+
+
+def kept_blocks(cfg: RunConfig, gpu_bytes: int, offload: int, cast_slab_bytes: int) -> int:
+    """The blocks the worker would keep on a GPU of ``gpu_bytes`` (the memory model's choice)."""
+    return memory.keep_count(cfg, memory.budget(gpu_bytes), offload, cast_slab_bytes)

@@ -1,0 +1,128 @@
+"""Where a step's gradients wait for the norm (``optim.grad_placement``), and planning for GPUs
+and machines one does not have (issue 17), on the CPU.
+
+Gradients that leave for host memory as soon as each unit's backward is done must give the
+same training as gradients held until the norm is known, bit for bit in fp32: with clipping
+that clips, with clipping off, across a skipped non-finite step, with accumulation. bf16
+gradients must give AdamW written out here on bf16-rounded gradients.
+"""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megaray.actors.session import TrainingSession
+from megaray.errors import PlanError
+from megaray.loader import load_config
+from megaray.memory import GiB
+from megaray.plan import Machine, check, plan_for, resolve
+from megaray.schedule import lr_at
+
+BASE = ["train.grad_accum=2", "train.steps=4", "optim.num_shards=2", "optim.grad_slab_mib=0.01",
+        "optim.weight_decay=0.1"]
+
+
+def _train(*extra: str, steps: int = 4, keep_gradients: bool = False):
+    cfg = load_config("debug", [*BASE, *extra] + (["debug.keep_gradients=true"] if keep_gradients else []))
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 256, (2, 2, 33)) for _ in range(steps)]
+    with TrainingSession(cfg) as s:
+        assert s.handles.grad_placement == ("host" if "optim.grad_placement=host" in extra else "device")
+        first = s.state_dict() if keep_gradients else None
+        ms, grads = [], []
+        for i, b in enumerate(batches):
+            ms.append(s.train_step(i, b))
+            if keep_gradients:
+                grads.append(s.gradients())
+        return ms, s.state_dict(), first, grads
+
+
+@pytest.mark.parametrize("opts", [["optim.clip_grad_norm=0.05"], ["optim.clip_grad_norm=null"],
+                                  ["optim.clip_grad_norm=0.05", "debug.nonfinite_steps=[1]"]],
+                         ids=["clipped", "clipping-off", "a-skipped-step"])
+def test_gradients_in_host_memory_equal_gradients_on_the_device(ray_cluster, opts):
+    dev, dev_w, _, _ = _train("optim.grad_placement=device", *opts)
+    host, host_w, _, _ = _train("optim.grad_placement=host", *opts)
+    np.testing.assert_array_equal([m["loss"] for m in host], [m["loss"] for m in dev])   # NaN = NaN
+    assert [m["skipped"] for m in host] == [m["skipped"] for m in dev]
+    if "optim.clip_grad_norm=0.05" in opts:
+        assert all(m["clip_coefficient"] < 0.9 for m in dev if not m["skipped"])    # clipping did clip
+    for k in dev_w:
+        np.testing.assert_array_equal(host_w[k], dev_w[k], err_msg=k)
+
+
+def test_bf16_gradients_are_adamw_on_the_rounded_gradients(ray_cluster):
+    """One step with bf16 gradients in host memory: every weight is AdamW's update (written out
+    here, in float64) of the fp32 gradient rounded to bf16 and scaled by the clip coefficient
+    the fp32 norm gave."""
+    ms, after, before, grads = _train("optim.grad_placement=host", "optim.grad_dtype=bfloat16",
+                                      "optim.clip_grad_norm=0.05", steps=1, keep_gradients=True)
+    cfg = load_config("debug", BASE)
+    lr, (b1, b2), eps, wd = lr_at(0, cfg.optim, 4), cfg.optim.betas, cfg.optim.eps, 0.1
+    norm = np.sqrt(sum(float((g.astype(np.float64) ** 2).sum()) for g in grads[0].values()))
+    coef = min(1.0, 0.05 / (norm + 1e-6))
+    assert ms[0]["clip_coefficient"] == pytest.approx(coef, rel=1e-12)
+    for name, g in grads[0].items():
+        g = torch.tensor(g).to(torch.bfloat16).double() * coef
+        p = torch.from_numpy(before[name]).double()
+        decay = wd if p.dim() >= 2 else 0.0
+        m, v = (1 - b1) * g, (1 - b2) * g * g
+        want = p * (1 - lr * decay) - lr / (1 - b1) * m / ((v / (1 - b2)).sqrt() + eps)
+        torch.testing.assert_close(torch.from_numpy(after[name]).double(), want, rtol=1e-6, atol=1e-8, msg=name)
+
+
+def test_auto_keeps_gradients_on_the_gpu_while_they_fit():
+    cfg = load_config("debug", ["model.shape=llama8b", "train.seq_len=4096", "train.grad_accum=16",
+                                "train.micro_batch_size=1", "train.compute_dtype=bfloat16", "optim.num_shards=4"])
+    big = Machine(10**15, 10**15, 141 * GiB)
+    small = Machine(10**15, 10**15, 24 * GiB)
+    assert resolve(cfg, big).optim.grad_placement == "device"
+    assert resolve(cfg, small).optim.grad_placement == "host"
+    # on the device, 4 bytes a parameter of gradients alone exceed 24 GiB; in host memory they
+    # are the tied embedding's (none: untied) and two units' at a time
+    n = cfg.model.num_params()
+    assert 4 * n > 24 * GiB
+    host = plan_for(cfg, small)
+    head, block = 128256 * 4096 + 4096, (2 * 4096 + 4096 * 4096 * 2 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
+    assert host.gpu["fp32 gradients (at the peak)"] == 4 * 2 * max(head, block)    # the head's: the largest unit
+    assert host.gpu_total <= 24 * GiB
+    assert host.shm["gradients waiting for the norm (fp32, host)"] >= 4 * n
+
+
+def test_the_gpu_budget_caps_the_plan_and_refuses_before_allocating():
+    cfg = load_config("debug", ["model.shape=llama3b", "train.seq_len=2048", "train.compute_dtype=bfloat16",
+                                "train.grad_accum=8", "worker.gpu_memory_gib=12", "optim.num_shards=4"])
+    machine = Machine(10**15, 10**15, 141 * GiB)
+    p = check(cfg, machine)                                          # fits within 12 of the 141 GiB
+    assert p.gpu_total <= 12 * GiB and resolve(cfg, machine).optim.grad_placement == "host"
+    tight = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, gpu_memory_gib=3.0))
+    with pytest.raises(PlanError, match=r"GPU memory: needs [\d.]+ GiB, 3.00 GiB free \(short by"):
+        check(tight, machine)
+
+
+def test_the_gpu_need_is_independent_of_depth():
+    """Gradients in host memory and every block's input offloaded: the GPU holds the two block
+    slots, the embedding and head slots, two blocks' inputs, the activation gradient, one
+    micro-batch's workspace, the loss chunk, two units' gradients, the staging slab and the
+    CUDA context, whatever the number of blocks."""
+    def need(layers: int) -> int:
+        cfg = load_config("llama70b", [f"model.num_hidden_layers={layers}"])
+        return plan_for(cfg, Machine(10**15, 10**15, 10 * GiB)).gpu_total   # too small: everything offloaded
+
+    assert need(40) == need(80) == need(160)
+
+
+@pytest.mark.parametrize("config, host, gpu, max_bytes", [("llama70b", 1024, 80, 14.0), ("dense120b", 1536, 141, 14.0)])
+def test_plans_for_big_machines_fit(config, host, gpu, max_bytes):
+    r = subprocess.run([sys.executable, "-m", "megaray.cli", "plan", config, "--host-gib", str(host), "--gpu-gib",
+                        str(gpu)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "DOES NOT FIT" not in r.stdout
+    per_param = float(r.stdout.split("host state ")[1].split(" bytes/param")[0])
+    assert per_param <= max_bytes
+    assert "predicted step:" in r.stdout and "gradients wait for the norm on the host" in r.stdout

@@ -18,6 +18,9 @@ class DataFeeder:
         self.cfg = cfg
         self.src = open_source(cfg)
 
+    def __repr__(self) -> str:
+        return f"DataFeeder({self.cfg.data.source}, {self.cfg.train.micro_batch_size} x {self.cfg.train.seq_len} rows)"
+
     def describe(self) -> str:
         return self.src.describe()
 

@@ -61,8 +61,12 @@ class OptimizerShard:
     def __repr__(self) -> str:
         """What the Ray dashboard's Actors view shows (Ray reads it once, when the actor starts)."""
         n = sum(self.h.pieces[i].numel for i in self.pieces)
-        return (f"OptimizerShard({len(self.pieces)} pieces, {n / 1e6:.1f}M params, "
+        return (f"OptimizerShard({len(self.pieces)} pieces, {n / 1e6:.2f}M params, "
                 f"{self.cfg.optim.threads_per_shard} threads, {self.cfg.optim.moment_dtype} moments)")
+
+    def close(self) -> None:
+        """End the update threads (the session calls this before the actor exits)."""
+        self.adam.close()
 
     def kernel(self) -> str:
         """Which AdamW runs here (for the run's log)."""

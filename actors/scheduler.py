@@ -185,6 +185,9 @@ class Scheduler:
         if refs:
             await asyncio.wait([asyncio.wrap_future(r.future()) for r in refs], timeout=timeout_s)
 
+    def __repr__(self) -> str:
+        return f"Scheduler({self.cfg.worker.count} worker(s), {self.cfg.optim.num_shards} optimizer shards)"
+
     def state(self) -> dict:
         return {"phase": self.phase.value, **self.counters}
 

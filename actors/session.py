@@ -340,6 +340,10 @@ class TrainingSession:
         # A graceful exit first: each actor ends after its last call and reports it as
         # finished (a killed worker's calls show as failed in the dashboard); then a kill for
         # any that did not go within the timeout.
+        closes = [a.close.remote() for role, a in self.actors.items() if role == "worker" or
+                  role.startswith(("worker-", "optimizer-"))]
+        if closes:
+            ray.wait(closes, num_returns=len(closes), timeout=15)
         ends = []
         for a in self.actors.values():
             try:

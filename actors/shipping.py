@@ -44,6 +44,9 @@ class GradientShipper:
         self._futures: list[Future] = []            # gradients leaving (the previous step's, or this one's units)
         self._stats: list[dict] = []                # copy-out statistics of finished steps
 
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
     def check_previous(self) -> None:
         """Raise an earlier copy-out failure, if one has failed; forget the finished ones."""
         for f in [f for f in self._futures if f.done()]:

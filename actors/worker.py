@@ -69,6 +69,11 @@ class GpuWorker:
         return (f"GpuWorker(rank {self.group.rank} of {self.group.world} on {self.dev.device}, "
                 f"{self.L} blocks of {self.units[1].numel / 1e6 if self.L else 0:.1f}M params streamed)")
 
+    def close(self) -> None:
+        """End the copy threads (the session calls this before the actor exits)."""
+        self.slots.copy_in.shutdown(wait=True)
+        self.shipper.close()
+
     # ------------------------------------------------------------------ data parallel
     def rendezvous(self) -> tuple[str, int]:
         return self.group.rendezvous()

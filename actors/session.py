@@ -89,6 +89,12 @@ class TrainingSession:
             log.info("removed %d shared-memory files of dead runs", len(stale))
         try:
             self._start()
+        except ray.exceptions.RayError as e:   # the cluster itself failed (a dead raylet, a lost node)
+            self.close()
+            alive = sum(1 for nd in ray.nodes() if nd["Alive"]) if ray.is_initialized() else 0
+            raise MegarayError(f"the Ray cluster failed while the run's actors started ({type(e).__name__}: "
+                               f"{str(e)[:200]}); {alive} node(s) alive: if a raylet died, restart Ray "
+                               "(ray stop; ray start --head) and run again") from None
         except BaseException:
             self.close()
             raise

@@ -293,3 +293,24 @@ def test_a_stop_checkpoint_survives_other_runs_of_the_same_name(ray_cluster, tmp
     (stop,) = complete_checkpoints(Path(second["checkpoint_dir"]))
     assert Checkpoint(stop).step == second["stopped_at_step"]                # kept, whatever the first run holds
     assert _tree(Path(first["checkpoint"]).parent) == before
+
+
+def test_a_dead_raylet_is_named_not_a_raw_ray_error(tmp_path):
+    code = (
+        "import os, signal, time, ray\n"
+        "from megaray.loader import load_config\n"
+        "from megaray.actors.session import TrainingSession\n"
+        "from megaray.errors import MegarayError\n"
+        "ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)\n"
+        "raylet = ray._private.worker._global_node.all_processes['raylet'][0].process\n"
+        "os.kill(raylet.pid, signal.SIGKILL)\n"
+        "time.sleep(2)\n"
+        "try:\n"
+        "    TrainingSession(load_config('debug')).start()\n"
+        "    print('STARTED')\n"
+        "except MegarayError as e:\n"
+        "    print('MEGARAY', e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, RAY_AUTH_MODE="disabled"), cwd=tmp_path)
+    out = r.stdout
+    assert "MEGARAY" in out and "raylet" in out, out + r.stderr[-2000:]

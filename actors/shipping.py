@@ -20,6 +20,7 @@ the verdict and fills the ring on the store's node.
 """
 from __future__ import annotations
 
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -72,21 +73,24 @@ class GradientShipper:
             with torch.cuda.stream(out):
                 out.wait_event(ready)
                 dst.copy_(g, non_blocking=True)          # rounded to grad_dtype on the device
+                host_sq = torch.empty((), dtype=torch.float64, pin_memory=True)
+                host_sq.copy_(sq, non_blocking=True)      # read on the host: no wait behind later compute
                 g.record_stream(out)
-                sq.record_stream(out)
                 ev = torch.cuda.Event()
                 ev.record(out)
-        self._futures.append(self._thread.submit(self._land_unit, step, u, g if ev is None else None, sq, ev))
+            g, sq = None, host_sq
+        self._futures.append(self._thread.submit(self._land_unit, step, u, g, sq, ev))
 
     def _land_unit(self, step: int, u: int, g, sq: torch.Tensor, ev) -> None:
-        """Copy-out thread: once unit u's bytes are in host memory, publish its pieces."""
+        """Copy-out thread: once unit u's bytes (and its squared norm) are in host memory,
+        publish its pieces."""
         try:
             t0 = time.perf_counter()
             if ev is not None:
                 ev.synchronize()
             else:
                 self.buf.grad(u).copy_(g)
-            finite = bool(torch.isfinite(sq))
+            finite = math.isfinite(float(sq))
             st = {"copy_out_s": time.perf_counter() - t0,
                   "copy_out_bytes": self.buf.grad(u).numel() * self.buf.grad(u).element_size()}
             for p in self.h.unit_pieces(u):

@@ -71,19 +71,21 @@ def test_periodic_and_final_checkpoints_keep_the_last_n(ray_cluster, tmp_path):
     assert s["checkpoint"] == str(ckpts[0])
 
 
-def test_resume_continues_bit_for_bit(reference_run, tmp_path):
-    _, ref_losses, ref_ckpt = reference_run
-
-    class Interrupt(Exception):
-        pass
-
+def _cut_at_4_and_resume(tmp: Path, *opts: str, resume: tuple = ()) -> dict:
+    """A run with a checkpoint every 3 steps, cut off by an exception after its 4th step, then
+    launched again (resume: auto, ``resume`` overrides added); returns the second's summary."""
     def interrupt(step, session):
         if step == 4:
-            raise Interrupt
+            raise KeyError("interrupt")
 
-    with pytest.raises(Interrupt):
-        train(_cfg(tmp_path, "checkpoint.every=3"), on_step=interrupt)
-    s = train(_cfg(tmp_path))                                  # resume: auto
+    with pytest.raises(KeyError):
+        train(_cfg(tmp, "checkpoint.every=3", *opts), on_step=interrupt)
+    return train(_cfg(tmp, *opts, *resume))
+
+
+def test_resume_continues_bit_for_bit(reference_run, tmp_path):
+    _, ref_losses, ref_ckpt = reference_run
+    s = _cut_at_4_and_resume(tmp_path)
     assert s["first_step"] == 3
     resumed = _losses(s)
     assert sorted(resumed) == [4, 5, 6]
@@ -100,17 +102,7 @@ def test_resume_with_other_shards_and_slabs_is_bit_for_bit(reference_run, tmp_pa
     64 MiB slabs resumes under another cut (here ~2.6k-element pieces over 3 shards, or one
     shard) and ends where the uninterrupted run ended, bit for bit."""
     _, ref_losses, ref_ckpt = reference_run
-
-    class Interrupt(Exception):
-        pass
-
-    def interrupt(step, session):
-        if step == 4:
-            raise Interrupt
-
-    with pytest.raises(Interrupt):
-        train(_cfg(tmp_path, "checkpoint.every=3"), on_step=interrupt)
-    s = train(_cfg(tmp_path, *changed))
+    s = _cut_at_4_and_resume(tmp_path, resume=tuple(changed))
     assert s["first_step"] == 3
     assert {k: v for k, v in _losses(s).items()} == {k: ref_losses[k] for k in (4, 5, 6)}
     assert _master(Path(s["checkpoint"])) == _master(ref_ckpt)
@@ -127,14 +119,7 @@ def test_each_state_dtype_resumes_bit_for_bit(ray_cluster, tmp_path, opts):
     """The C kernel's state combinations (bf16 moments rounded to nearest; the host's bf16
     compute copy written in the same pass) resume exactly as they would have continued."""
     ref = train(_cfg(tmp_path / "ref", "checkpoint.resume=null", *opts))
-
-    def interrupt(step, session):
-        if step == 4:
-            raise KeyError("interrupt")
-
-    with pytest.raises(KeyError):
-        train(_cfg(tmp_path, "checkpoint.every=3", *opts), on_step=interrupt)
-    s = train(_cfg(tmp_path, *opts))
+    s = _cut_at_4_and_resume(tmp_path, *opts)
     assert s["first_step"] == 3 and _losses(s) == {k: v for k, v in _losses(ref).items() if k >= 4}
     assert _master(Path(s["checkpoint"])) == _master(Path(ref["checkpoint"]))
     assert "AdamW: the fused C kernel" in (Path(s["run_dir"]) / "train.log").read_text()
@@ -155,13 +140,7 @@ def test_bf16_master_and_moments_train_resume_and_export(ray_cluster, tmp_path):
     moments = sum(e[2] - e[1] for k in (0, 1) for e in m["parts"][f"optim-{k}.bin"]["moments"])
     assert moments == n and os.path.getsize(ck / "optim-0.bin") + os.path.getsize(ck / "optim-1.bin") == 2 * 2 * n
 
-    def interrupt(step, session):
-        if step == 4:
-            raise KeyError("interrupt")
-
-    with pytest.raises(KeyError):
-        train(_cfg(tmp_path, "checkpoint.every=3", *opts), on_step=interrupt)
-    s = train(_cfg(tmp_path, *opts))
+    s = _cut_at_4_and_resume(tmp_path, *opts)
     assert s["first_step"] == 3 and all(_losses(s)[k] == ref_losses[k] for k in (4, 5, 6))
     assert _master(Path(s["checkpoint"])) == _master(ck)
     with pytest.raises(CheckpointError, match="optim.master_dtype"):

@@ -69,3 +69,27 @@ def test_cast_on_the_device_equals_the_host_copy_on_the_gpu(gpu_ray):
     assert host_l == dev_l
     for k in host_w:
         np.testing.assert_array_equal(dev_w[k], host_w[k], err_msg=k)
+
+
+def test_gradients_in_host_memory_equal_gradients_on_the_gpu(gpu_ray):
+    """optim.grad_placement host on the GPU: each unit's gradient leaves as soon as its
+    backward is done and the shards apply the clip coefficient; the same losses and weights
+    as gradients held on the GPU, bit for bit (both scale in fp32, once)."""
+    extra = ("optim.clip_grad_norm=0.05", "train.compute_dtype=bfloat16")
+    dev_l, dev_w = _train("cuda", "bfloat16", extra=(*extra, "optim.grad_placement=device"))
+    host_l, host_w = _train("cuda", "bfloat16", extra=(*extra, "optim.grad_placement=host"))
+    assert host_l == dev_l
+    for k in dev_w:
+        np.testing.assert_array_equal(host_w[k], dev_w[k], err_msg=k)
+
+
+def test_a_gpu_budget_caps_the_peak(gpu_ray):
+    """worker.gpu_memory_gib: the worker's peak stays under the cap (the allocator enforces it)."""
+    from megaray.actors.session import TrainingSession
+    from megaray.loader import load_config
+
+    cfg = load_config("debug", ["worker.device=cuda", "worker.gpu_memory_gib=0.5", "train.steps=2"])
+    rng = np.random.default_rng(0)
+    with TrainingSession(cfg) as s:
+        ms = [s.train_step(i, rng.integers(0, 256, (2, 2, 33))) for i in range(2)]
+    assert all(m["gpu_memory_peak_bytes"] <= 0.5 * 2**30 for m in ms)

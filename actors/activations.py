@@ -30,6 +30,7 @@ class ActivationPolicy:
         self.kept_block_bytes = 0                   # measured device memory of one kept block
         self._kept_bufs: list[torch.Tensor] = []
         self.host_inputs: torch.Tensor | None = None
+        self._host_mapping = None
 
     # ------------------------------------------------------------------ choices
     def _budget(self) -> int:
@@ -52,7 +53,7 @@ class ActivationPolicy:
             if self._offload is None:
                 self._offload = 0
                 if self.dev.cuda:
-                    self._offload = memory.offload_count(self.cfg, self.dev.free_bytes(),
+                    self._offload = memory.offload_count(self.cfg, self._budget(),
                                                          cast_slab_bytes=self.cast_slab_bytes)
             k = self._offload
         return k
@@ -83,9 +84,16 @@ class ActivationPolicy:
         """Host memory for n blocks' inputs of M micro-batches, allocated (and pinned) once."""
         shape = (n, M) + tuple(like.shape)
         if self.host_inputs is None or tuple(self.host_inputs.shape) != shape:
-            self.host_inputs = None
-            self.host_inputs = torch.empty(shape, dtype=like.dtype, pin_memory=self.dev.cuda)
+            self.free_host_buffer()
+            self.host_inputs, self._host_mapping = self.dev.pinned_empty(shape, like.dtype)
         return self.host_inputs
+
+    def free_host_buffer(self) -> None:
+        if self.host_inputs is not None:
+            self.dev.synchronize()                  # no copy still reads or writes it
+            if self._host_mapping is not None:
+                self.dev.unpin(self.host_inputs)
+            self.host_inputs = self._host_mapping = None    # the mapping goes with its last reference
 
     def offload(self, j: int, acts: list, timer: StepTimer) -> None:
         """Send block j's saved inputs to host memory (after the compute that wrote them)."""

@@ -14,6 +14,8 @@ as waiting for copy-in or for kernel launches.
 """
 from __future__ import annotations
 
+import math
+import mmap
 import time
 from contextlib import contextmanager
 
@@ -28,8 +30,9 @@ class Device:
         self.cuda = self.device.type == "cuda"
         self.cap_bytes = cap_bytes
         if self.cuda and cap_bytes is not None:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), self.device)
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            total = torch.cuda.get_device_properties(index).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), index)
         if self.cuda:
             self.compute_stream = torch.cuda.current_stream(self.device)
             self.copy_stream = torch.cuda.Stream(self.device)
@@ -44,6 +47,23 @@ class Device:
         err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {what} ({t.numel() * t.element_size()} bytes) failed: {err}")
+
+    def unpin(self, t: torch.Tensor) -> None:
+        if self.cuda:
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+    def pinned_empty(self, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, mmap.mmap | None]:
+        """Page-locked host memory of exactly this size (plain memory on the CPU), and the
+        mapping that holds it: drop both after ``unpin``. Not torch's ``pin_memory``: its
+        caching allocator rounds every block up to a power of two, so 10 GiB of offloaded
+        inputs would hold 16 GiB of host memory that the planner never counted."""
+        if not self.cuda:
+            return torch.empty(shape, dtype=dtype), None
+        nbytes = math.prod(shape) * dtype.itemsize
+        mapping = mmap.mmap(-1, max(nbytes, 1))
+        t = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes)
+        self.pin(t, f"{nbytes} bytes of offloaded block inputs")
+        return t.view(dtype).view(shape), mapping
 
     def event_after_compute(self):
         """An event after the compute issued so far (None on the CPU)."""

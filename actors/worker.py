@@ -66,6 +66,8 @@ class GpuWorker:
 
     def __repr__(self) -> str:
         """What the Ray dashboard's Actors view shows (Ray reads it once, when the actor starts)."""
+        if not hasattr(self, "group"):                 # __init__ failed: Ray still asks, to report it
+            return f"GpuWorker({self.name!r}, not started)"
         return (f"GpuWorker(rank {self.group.rank} of {self.group.world} on {self.dev.device}, "
                 f"{self.L} blocks of {self.units[1].numel / 1e6 if self.L else 0:.1f}M params streamed)")
 
@@ -73,6 +75,7 @@ class GpuWorker:
         """End the copy threads (the session calls this before the actor exits)."""
         self.slots.copy_in.shutdown(wait=True)
         self.shipper.close()
+        self.acts.free_host_buffer()
 
     # ------------------------------------------------------------------ data parallel
     def rendezvous(self) -> tuple[str, int]:
@@ -334,11 +337,12 @@ class GpuWorker:
     def link_speed(self, repeats: int = 5) -> dict:
         """Copy-in and copy-out bandwidth of the pinned buffers measured alone (nothing else
         running): every block's weights host->device as a step streams them (the compute
-        copy, or the fp32 master cast on the device), and slab-sized pieces
-        device->host into the gradient ring (benchmarks; call between steps)."""
+        copy, or the fp32 master cast on the device), and every block's fp32 gradient
+        device->host as a step sends it (slab-sized pieces into the gradient ring, or whole
+        units into the host gradient buffer, rounded to ``optim.grad_dtype``). Benchmarks;
+        call between steps."""
         units = [u for u in self.units if u.kind == "block"] or list(self.units)
         dst = self.slots.slots["block0"]
-        g = self.dev.zeros(self.h.slab_numel)
 
         def timed(fn) -> float:
             fn()                                            # warm-up
@@ -353,12 +357,17 @@ class GpuWorker:
         scratch = StepTimer()
         t_in = timed(lambda: [self.slots.copy_in_range(dst[: u.numel], self.buf.compute(u.index), scratch, None)
                               for u in units])
-        with torch.cuda.stream(self.dev.copy_stream) if self.dev.cuda else nullcontext():
-            slabs = [self.buf.slab(k) for k in range(self.h.ring_slabs)]
+        if self.shipper.host:                               # the units' own regions (overwritten by the next step)
+            outs = [self.buf.grad(u.index) for u in units]
+        else:                                               # the ring's slabs, round robin
             n_out = max(1, sum(u.numel for u in units) // self.h.slab_numel)
-            t_out = timed(lambda: [slabs[k % len(slabs)].copy_(g, non_blocking=True) for k in range(n_out)])
+            outs = [self.buf.slab(k % self.h.ring_slabs) for k in range(n_out)]
+        g = self.dev.zeros(max(o.numel() for o in outs))
+        with torch.cuda.stream(self.dev.copy_stream) if self.dev.cuda else nullcontext():
+            t_out = timed(lambda: [o.copy_(g[: o.numel()], non_blocking=True) for o in outs])
         bytes_in = sum(u.numel for u in units) * self.buf.compute(0).element_size()   # as they cross the link
-        return {"copy_in_gbps": bytes_in / t_in / 1e9, "copy_out_gbps": n_out * 4 * self.h.slab_numel / t_out / 1e9}
+        bytes_out = sum(o.numel() * o.element_size() for o in outs)
+        return {"copy_in_gbps": bytes_in / t_in / 1e9, "copy_out_gbps": bytes_out / t_out / 1e9}
 
     def evaluate(self, step: int, tokens: np.ndarray) -> dict:
         """Forward-only loss on tokens [micro_batches, batch, seq + 1] with step ``step``'s weights."""

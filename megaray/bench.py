@@ -161,8 +161,15 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
         out["state_dict_s"] = time.perf_counter() - t0
         for i, b in enumerate(batches):
             ms.append(s.train_step(i, b))
+            m = ms[-1]       # now, so that a long step measured is not lost to a later failure
+            print(f"megaray step {i}: {m['step_time_seconds']:.3f} s, {flops / m['step_time_seconds'] / 1e12:.1f} "
+                  f"TFLOP/s, loss {m['loss']:.4f}, GPU peak {m.get('worker/gpu_peak_bytes', 0) / 2**30:.2f} GiB, "
+                  f"GPU idle {100 * breakdown(m)['gpu_idle_fraction']:.1f}%", flush=True)
         s.drain()
-        out["link_alone"] = ray.get(s.actors["worker"].link_speed.remote())
+        try:
+            out["link_alone"] = ray.get(s.actors["worker"].link_speed.remote())
+        except ray.exceptions.RayError as e:     # a figure beside the result, not the result
+            out["link_alone"] = {"error": str(e).splitlines()[-1]}
         if checkpoint_dir:
             out["checkpoint"] = _time_checkpoint(cfg, s, steps, checkpoint_dir)
     med = _median_step(ms)
@@ -265,7 +272,9 @@ def print_table(r: dict) -> None:
           + (f"; optimizer {m['optimizer_gparams_per_s']:.2f} G params/s summed"
              if m["optimizer_gparams_per_s"] else ""))
     la = r.get("link_alone", {})
-    if la:
+    if "error" in la:
+        print(f"  measured alone: failed ({la['error']})")
+    elif la:
         print(f"  measured alone: copy-in {la['copy_in_gbps']:.1f} GB/s, copy-out {la['copy_out_gbps']:.1f} GB/s")
     print("  worker (median step, s): " + ", ".join(f"{k[:-2]}={v:.3f}" for k, v in m["worker"].items()))
     if "checkpoint" in r:

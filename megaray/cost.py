@@ -64,6 +64,7 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
             "step_s": max(compute, copy_in, copy_out, updates) + first}
 
 
-def kept_blocks(cfg: RunConfig, gpu_bytes: int, offload: int, cast_slab_bytes: int) -> int:
-    """The blocks the worker would keep on a GPU of ``gpu_bytes`` (the memory model's choice)."""
-    return memory.keep_count(cfg, memory.budget(gpu_bytes), offload, cast_slab_bytes)
+def kept_blocks(cfg: RunConfig, budget_bytes: int, offload: int, cast_slab_bytes: int) -> int:
+    """The blocks the worker would keep within a GPU budget (``plan.gpu_budget``: the memory
+    model's choice)."""
+    return memory.keep_count(cfg, budget_bytes, offload, cast_slab_bytes)

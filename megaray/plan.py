@@ -34,6 +34,7 @@ from megaray.layout import build_layout
 from megaray.memory import GiB
 
 _SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+_USABLE = "what is free, at most worker.gpu_memory_gib, less the allocator's reserve"
 PROCESS_BYTES = int(0.4 * GiB)   # one actor process: interpreter, torch, Ray worker
 
 
@@ -68,6 +69,7 @@ class Plan:
     gpu: dict = field(default_factory=dict)
     keep_blocks: int = 0
     offload_inputs: int = 0
+    gpu_budget: int | None = None   # what the run may use of the machine's GPU (plan_for sets it)
 
     @property
     def shm_total(self) -> int:
@@ -102,8 +104,9 @@ class Plan:
                      machine.host_bytes if machine else None)
         out += block("  of which shared memory", self.shm, self.shm_total, machine.shm_bytes if machine else None)
         out += block(f"GPU (keeping {self.keep_blocks} blocks' activations, {self.offload_inputs} blocks' inputs "
-                     "in host memory)", self.gpu, self.gpu_total,
-                     machine.gpu_bytes if machine else None)
+                     "in host memory)", self.gpu, self.gpu_total)
+        if self.gpu_budget is not None:
+            out[-len(self.gpu) - 1] += f"  (usable {self.gpu_budget / GiB:.2f} GiB: {_USABLE})"
         return "\n".join(out)
 
 
@@ -171,9 +174,9 @@ def shortfalls(p: Plan, machine: Machine) -> list[str]:
     if p.shm_total > machine.shm_bytes:
         out.append(f"shared memory: needs {p.shm_total / GiB:.2f} GiB, {machine.shm_bytes / GiB:.2f} GiB free "
                    f"(short by {(p.shm_total - machine.shm_bytes) / GiB:.2f} GiB)")
-    if machine.gpu_bytes is not None and p.gpu_total > machine.gpu_bytes:
-        out.append(f"GPU memory: needs {p.gpu_total / GiB:.2f} GiB, {machine.gpu_bytes / GiB:.2f} GiB free "
-                   f"(short by {(p.gpu_total - machine.gpu_bytes) / GiB:.2f} GiB)")
+    if p.gpu_budget is not None and p.gpu_total > p.gpu_budget:
+        out.append(f"GPU memory: needs {p.gpu_total / GiB:.2f} GiB, {p.gpu_budget / GiB:.2f} GiB usable "
+                   f"(short by {(p.gpu_total - p.gpu_budget) / GiB:.2f} GiB; {_USABLE})")
     return out
 
 
@@ -206,10 +209,15 @@ def offload_needed(cfg: RunConfig, gpu_bytes: int) -> int:
 
 
 def gpu_budget(cfg: RunConfig, machine: Machine) -> int | None:
-    """The GPU memory the run may use on ``machine``: what is free, at most worker.gpu_memory_gib."""
-    if machine.gpu_bytes is None or cfg.worker.gpu_memory_gib is None:
-        return machine.gpu_bytes
-    return min(machine.gpu_bytes, int(cfg.worker.gpu_memory_gib * GiB))
+    """The GPU memory the run plans to use on ``machine``: what is free there (at most
+    ``worker.gpu_memory_gib``) less the allocator's reserve, ``memory.budget``: the budget the
+    worker plans against at run time."""
+    if machine.gpu_bytes is None:
+        return None
+    free = machine.gpu_bytes
+    if cfg.worker.gpu_memory_gib is not None:
+        free = min(free, int(cfg.worker.gpu_memory_gib * GiB))
+    return memory.budget(free)
 
 
 def resolve(cfg: RunConfig, machine: Machine) -> RunConfig:
@@ -234,15 +242,16 @@ def plan_for(cfg: RunConfig, machine: Machine) -> Plan:
     offload = None
     if cfg.worker.offload_inputs is None and gpu is not None:
         offload = offload_needed(cfg, gpu)     # what the worker will choose
-    return plan(cfg, on_gpu=gpu is not None, offload=offload)
+    p = plan(cfg, on_gpu=gpu is not None, offload=offload)
+    p.gpu_budget = gpu
+    return p
 
 
 def check(cfg: RunConfig, machine: Machine | None = None) -> Plan:
     """Raise PlanError with the report when the machine cannot hold the run."""
     machine = machine or Machine.here(cfg.cluster.shm_dir)
     p = plan_for(cfg, machine)
-    budget = gpu_budget(cfg, machine)
-    short = shortfalls(p, dataclasses.replace(machine, gpu_bytes=budget))
+    short = shortfalls(p, machine)
     if short:
         raise PlanError("the run does not fit this machine:\n  " + "\n  ".join(short) + "\n" + p.report(machine))
     return p

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
               f"largest seq_len at micro_batch_size {cfg.train.micro_batch_size}: {seq}")
     else:
         print("no GPU visible here: the GPU column is not checked")
-    short = shortfalls(pl, Machine(machine.host_bytes, machine.shm_bytes, gpu))
+    short = shortfalls(pl, machine)
     for line in short:
         print(f"DOES NOT FIT: {line}")
     return 1 if short else 0

@@ -75,3 +75,15 @@ def test_bench_runs_megaray_and_baseline_from_the_same_weights(ray_cluster):
     assert d["compute_s"] + d["idle_optimizer_s"] + d["idle_copy_in_s"] + d["outside_s"] == pytest.approx(m["step_s"])
     assert 0 < d["compute_s"] < m["step_s"] and d["outside_s"] >= 0
     assert m["optimizer_gparams_per_s"] > 0 and r["link_alone"]["copy_in_gbps"] > 0
+
+
+def test_bench_with_gradients_in_host_memory_measures_both_links(ray_cluster, capsys):
+    """The link measurement copies out into the host gradient buffer when there is no ring,
+    and each step is printed as it ends (a long step is not lost to a later failure)."""
+    cfg = bench_config("debug", seq_len=16, tokens_per_step=96, micro_batch=2, steps=2, shards=2, threads=1,
+                       extra={**SET, "optim.grad_placement": "host", "optim.grad_dtype": "bfloat16"})
+    r = bench(cfg, baseline=False)
+    assert r["link_alone"]["copy_in_gbps"] > 0 and r["link_alone"]["copy_out_gbps"] > 0
+    printed = capsys.readouterr().out
+    assert [f"megaray step {i}:" in printed for i in range(2)] == [True, True]
+    assert f"loss {r['megaray']['losses'][1]:.4f}" in printed

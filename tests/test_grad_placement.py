@@ -96,12 +96,17 @@ def test_auto_keeps_gradients_on_the_gpu_while_they_fit():
 
 def test_the_gpu_budget_caps_the_plan_and_refuses_before_allocating():
     cfg = load_config("debug", ["model.shape=llama3b", "train.seq_len=2048", "train.compute_dtype=bfloat16",
-                                "train.grad_accum=8", "worker.gpu_memory_gib=12", "optim.num_shards=4"])
+                                "train.grad_accum=8", "train.loss_chunk_tokens=2048", "worker.gpu_memory_gib=12",
+                                "optim.num_shards=4"])
     machine = Machine(10**15, 10**15, 141 * GiB)
-    p = check(cfg, machine)                                          # fits within 12 of the 141 GiB
-    assert p.gpu_total <= 12 * GiB and resolve(cfg, machine).optim.grad_placement == "host"
+    p = check(cfg, machine)                   # fits within 12 of the 141 GiB, less the allocator's reserve
+    assert p.gpu_total <= int(12 * GiB * 0.94) - 2 * GiB and resolve(cfg, machine).optim.grad_placement == "host"
+    # the loss chunk of 4096 tokens alone (three fp32 [4096, 128256] tensors) would not
+    wide = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loss_chunk_tokens=4096))
+    with pytest.raises(PlanError, match=r"GPU memory: needs [\d.]+ GiB, 9.28 GiB usable \(short by"):
+        check(wide, machine)
     tight = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, gpu_memory_gib=3.0))
-    with pytest.raises(PlanError, match=r"GPU memory: needs [\d.]+ GiB, 3.00 GiB free \(short by"):
+    with pytest.raises(PlanError, match=r"GPU memory: needs [\d.]+ GiB, 0.82 GiB usable \(short by"):
         check(tight, machine)
 
 

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from conftest import shm_files
 
+from megaray import memory
 from megaray.errors import ConfigError, PlanError
 from megaray.loader import load_config
 from megaray.plan import PROCESS_BYTES, GiB, Machine, check, largest_fit, plan, plan_for, savings
@@ -39,7 +41,12 @@ def test_llama3b_gpu_items_by_hand():
     # the peak is at the head: every block's input and the last output (29 x 384 MiB) outweigh
     # the blocks' fp32 gradients at the backward's end (28 x 384.02 MiB)
     assert p.gpu["saved block inputs (at the peak)"] == 2 * 29 * 65536 * 3072
-    assert p.gpu["loss chunk logits (fp32, with grad)"] == 2 * 4 * 4096 * 128256
+    # the loss chunk's peak: the log-softmax backward's three fp32 [4096, vocab] tensors, more
+    # than the projection backward's bf16 logits gradient and two bf16 [vocab, 3072] gradients
+    assert p.gpu["loss chunk (logits, log-softmax, gradients)"] == 3 * 4 * 4096 * 128256
+    assert 3 * 4 * 4096 * 128256 > 2 * 4096 * 128256 + 2 * 2 * 128256 * 3072
+    small = plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loss_chunk_tokens=512)))
+    assert small.gpu["loss chunk (logits, log-softmax, gradients)"] == 2 * 512 * 128256 + 2 * 2 * 128256 * 3072
     # 64k tokens a step: the worker casts on the device (optim.compute_copy auto), no bf16 copy
     assert "bfloat16 compute copy" not in p.shm
     assert p.gpu["fp32 staging of the on-device cast"] == 64 * 2**20
@@ -109,10 +116,15 @@ def test_check_refuses_with_the_shortfall():
         check(cfg, machine)
     assert "host memory" in str(e.value) and "short by 1.00 GiB" in str(e.value)
     assert "fp32 master weights" in str(e.value)                  # the whole report comes along
-    tight = Machine(host_bytes=100 * GiB, shm_bytes=p.shm_total - 1, gpu_bytes=p.gpu_total - 1)
-    with pytest.raises(PlanError, match="shared memory.*\n.*GPU memory"):
+    # the GPU is planned to its budget: what is free less the allocator's reserve (6% + 2 GiB),
+    # the same budget the worker plans against at run time
+    assert memory.budget(12 * GiB) == int(12 * GiB * 0.94) - 2 * GiB
+    enough = math.ceil((p.gpu_total + 2 * GiB + 1) / 0.94)
+    assert memory.budget(enough) >= p.gpu_total > memory.budget(p.gpu_total + 2 * GiB)
+    tight = Machine(host_bytes=100 * GiB, shm_bytes=p.shm_total - 1, gpu_bytes=p.gpu_total + 2 * GiB)
+    with pytest.raises(PlanError, match=r"shared memory.*\n.*GPU memory: needs [\d.]+ GiB, [\d.]+ GiB usable"):
         check(cfg, tight)
-    assert check(cfg, Machine(100 * GiB, 100 * GiB, p.gpu_total)) is not None
+    assert check(cfg, Machine(100 * GiB, 100 * GiB, enough)) is not None
 
 
 def test_largest_fit_is_the_edge():
@@ -123,10 +135,11 @@ def test_largest_fit_is_the_edge():
     def gpu(mb_, seq_):          # as the run would be set up: gradients' home and offloaded inputs decided
         return plan_for(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=mb_,
                                                                           seq_len=seq_)), machine).gpu_total
-    assert gpu(mb, 2048) <= 40 * GiB < gpu(mb + 1, 2048)
-    assert gpu(cfg.train.micro_batch_size, seq) <= 40 * GiB
+    usable = memory.budget(40 * GiB)
+    assert gpu(mb, 2048) <= usable < gpu(mb + 1, 2048)
+    assert gpu(cfg.train.micro_batch_size, seq) <= usable
     if seq < cfg.model.max_position_embeddings:       # else the model's positions, not the GPU, are the edge
-        assert 40 * GiB < gpu(cfg.train.micro_batch_size, seq + 256)
+        assert usable < gpu(cfg.train.micro_batch_size, seq + 256)
 
 
 def test_train_refuses_an_8b_model_here_before_any_actor(ray_cluster, tmp_path):

@@ -64,7 +64,7 @@ class WeightRelay:
 
     def version(self) -> int:
         """The step every unit's weights are at, at least."""
-        return min(self.buf.control.versions(self.h.unit_pieces(u.index)) for u in self.h.units)
+        return min(self.buf.control.versions(self.h.unit_pieces(u)) for u in self.h.streamed)
 
     def abort(self) -> None:
         self.buf.control.abort()

@@ -152,9 +152,11 @@ class TrainingSession:
         self.has_heldout = self._call(self.actors["data"].has_heldout.remote(), "data")
         kernel = self._call(shards[0].kernel.remote(), "optimizer-0")
         log.info("run %s: %d layer units in %d gradient pieces, %d optimizer shards (AdamW: %s), a ring of "
-                 "%d x %g MiB gradient slabs, %d worker(s) on %s", self.run_id, self.handles.num_units,
-                 len(self.handles.pieces), len(shards), kernel, self.handles.ring_slabs,
-                 self.handles.slab_bytes / 2**20, len(workers), self.device)
+                 "%d x %g MiB gradient slabs, %d worker(s) on %s; %s (optim.placement)", self.run_id,
+                 self.handles.num_units, len(self.handles.pieces), len(shards), kernel, self.handles.ring_slabs,
+                 self.handles.slab_bytes / 2**20, len(workers), self.device,
+                 f"the first {len(self.handles.resident)} blocks resident on the worker's device"
+                 if self.handles.resident else "every block streamed")
 
     def _bundle(self) -> dict:
         cfg, o = self.cfg, self.cfg.optim
@@ -280,6 +282,7 @@ class TrainingSession:
         Read straight from the shared master file (no copy through Ray's object store).
         """
         self.drain()
+        self._call(self.actors["worker"].flush_resident.remote(), "worker")
         master = RunBuffers(self.handles, kinds=("master",))
         out = {}
         for u in self.handles.units:
@@ -311,18 +314,24 @@ class TrainingSession:
         return [(int(k.split("-")[1]), a) for k, a in self.actors.items() if k.startswith("optimizer-")]
 
     def save_parts(self, folder: str) -> dict:
-        """Every store and shard writes its own part of a checkpoint, in parallel."""
+        """Every store and shard (and the worker, for resident units) writes its own part of a
+        checkpoint, in parallel, once the resident masters are in shared memory."""
         self.drain()
-        refs = [self.actors["store"].save.remote(folder)] + [a.save.remote(folder, k) for k, a in self._shards()]
+        worker = self.actors["worker"]
+        self._call(worker.flush_resident.remote(), "worker")
+        refs = ([self.actors["store"].save.remote(folder), worker.save_resident.remote(folder)]
+                + [a.save.remote(folder, k) for k, a in self._shards()])
         parts: dict = {}
         for p in self._call(refs, "checkpoint"):
             parts.update(p)
         return parts
 
     def load(self, folder: str, counters: dict) -> None:
-        """The store and every shard read their state from a checkpoint, in parallel."""
+        """The store and every shard read their state from a checkpoint, in parallel; then the
+        worker its resident units' (their masters from the store's shared memory)."""
         refs = [self.actors["store"].load.remote(folder)] + [a.load.remote(folder) for _, a in self._shards()]
         self._call(refs, "checkpoint")
+        self._call(self.actors["worker"].load_resident.remote(folder), "checkpoint")
         ray.get(self.actors["scheduler"].set_counters.remote(counters))
 
     def counters(self) -> dict:

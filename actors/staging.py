@@ -48,7 +48,7 @@ class SharedSource:
                                                           f"{step}", self.cfg.worker.wait_timeout_s)
 
     def version(self) -> int:
-        return min(self.buf.control.versions(self.h.unit_pieces(u.index)) for u in self.h.units)
+        return min(self.buf.control.versions(self.h.unit_pieces(u)) for u in self.h.streamed)
 
 
 class RelaySource:
@@ -75,8 +75,9 @@ class RelaySource:
 class WeightSlots:
     """Device slots for the embedding, the head and two alternating block buffers."""
 
-    def __init__(self, cfg: RunConfig, h: Handles, dev: Device, source):
+    def __init__(self, cfg: RunConfig, h: Handles, dev: Device, source, resident=None):
         self.cfg, self.h, self.dev, self.source = cfg, h, dev, source
+        self.resident = resident           # resident units' compute copies stand in for slots
         self.units = h.units
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.train.compute_dtype]
         block_numel = self.units[1].numel if len(self.units) > 2 else 0
@@ -93,6 +94,8 @@ class WeightSlots:
         return f"block{(u - 1) % 2}" if kind == "block" else kind
 
     def flat(self, u: int) -> torch.Tensor:
+        if self.resident is not None and u in self.resident:
+            return self.resident.compute[u]
         return self.slots[self.slot_name(u)][: self.units[u].numel]
 
     def weights(self, u: int, grad: bool):
@@ -103,9 +106,10 @@ class WeightSlots:
         return flat, bind(flat, self.units[u])
 
     def stage(self, u: int, step: int, timer: StepTimer, clock: StepClock) -> Future:
-        """Start bringing unit u's compute weights (as of step ``step``) into its slot."""
+        """Start bringing unit u's compute weights (as of step ``step``) into its slot (a
+        resident unit's are on the device already: updated in order on the compute stream)."""
         slot = self.slot_name(u)
-        if self.holds.get(slot) == (u, step):
+        if self.holds.get(slot) == (u, step) or (self.resident is not None and u in self.resident):
             fut: Future = Future()
             fut.set_result(None)
             return fut
@@ -137,6 +141,8 @@ class WeightSlots:
 
     def release(self, u: int) -> None:
         """Compute issued so far has finished reading unit u's slot before it is refilled."""
+        if self.resident is not None and u in self.resident:
+            return
         ev = self.dev.event_after_compute()
         if ev is not None:
             self.free_event[self.slot_name(u)] = ev

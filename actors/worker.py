@@ -36,12 +36,21 @@ from megaray.config import RunConfig
 from megaray.data import split_batch
 from megaray.errors import ActorFailure, RunAborted
 from megaray.layout import bind
-from megaray.model import IGNORE_INDEX, block_forward, embed_forward, head_loss_sum, rms_norm, rope_tables
+from megaray.model import (
+    IGNORE_INDEX,
+    block_forward,
+    embed_forward,
+    head_loss_and_grads,
+    head_loss_sum,
+    rms_norm,
+    rope_tables,
+)
 from megaray.schedule import clip_coefficient
 
 from .activations import ActivationPolicy
 from .device import Device, StepClock, StepTimer
 from .group import DataParallelGroup
+from .resident import ResidentUnits
 from .shipping import GradientShipper
 from .staging import RelaySource, SharedSource, WeightSlots
 
@@ -57,7 +66,8 @@ class GpuWorker:
         self.group = DataParallelGroup(rank, world, self.dev, cfg.worker.wait_timeout_s)
         self.buf = None if relay is not None else RunBuffers(handles, kinds=("master", "compute", "ring", "control"))
         source = RelaySource(relay, self.dev) if relay is not None else SharedSource(cfg, handles, self.buf, self.dev)
-        self.slots = WeightSlots(cfg, handles, self.dev, source)
+        self.resident = ResidentUnits(cfg, handles, self.dev, self.buf) if handles.resident else None
+        self.slots = WeightSlots(cfg, handles, self.dev, source, self.resident)
         dtype = DTYPES[cfg.train.compute_dtype]
         self.acts = ActivationPolicy(cfg, self.dev, self.units[1].numel if self.L else 0, dtype,
                                      handles.slab_bytes if handles.cast_on_device else 0)
@@ -76,6 +86,8 @@ class GpuWorker:
         self.slots.copy_in.shutdown(wait=True)
         self.shipper.close()
         self.acts.free_host_buffer()
+        if self.resident is not None:
+            self.resident.close()
 
     # ------------------------------------------------------------------ data parallel
     def rendezvous(self) -> tuple[str, int]:
@@ -203,9 +215,8 @@ class GpuWorker:
                 dx = torch.empty_like(xf)
                 for c in range(0, b * s, chunk):
                     xc = xf[c:c + chunk].detach().requires_grad_()
-                    loss, _ = head_loss_sum(wh, we, xc, tf[c:c + chunk], self.mcfg)
                     ins = [head_flat, xc] + ([emb_flat] if tied else [])
-                    gs = torch.autograd.grad(loss * inv_n, ins)
+                    loss, gs = head_loss_and_grads(wh, we, xc, tf[c:c + chunk], self.mcfg, inv_n, ins)
                     g_head += gs[0]
                     dx[c:c + chunk] = gs[1]
                     if tied:
@@ -281,7 +292,9 @@ class GpuWorker:
             return
         with clock.span(-1):
             sq[u] = torch.linalg.vector_norm(g, dtype=torch.float64).square()
-        if self.group.rank == 0:
+        if self.resident is not None and u in self.resident:
+            grads[u] = g                                # stays for the worker's own update
+        elif self.group.rank == 0:
             self.shipper.ship_unit(step, u, g, sq[u])
 
     def _block_backward(self, unit, w: dict, y: torch.Tensor, x: torch.Tensor, dy: torch.Tensor,
@@ -319,6 +332,12 @@ class GpuWorker:
                 self.shipper.ship(step, grads, coef, clock)
             else:
                 self.shipper.skip(step)
+        if self.resident is not None:
+            t1 = time.perf_counter()
+            finite_units = {u: math.isfinite(float(sq[u])) for u in self.resident.units} if host else {}
+            with clock.span(-1):
+                self.resident.update(step, grads, finite, coef, finite_units)
+            timer.add("resident_update_s", time.perf_counter() - t1)
         timer.add("reduce_s", time.perf_counter() - t0)
         return {"loss_sum": loss_total, "grad_norm": norm, "clip_coef": coef, "applied": finite}
 
@@ -334,6 +353,24 @@ class GpuWorker:
         return toks[..., :-1], targets
 
     # ------------------------------------------------------------------ outside training steps
+    def flush_resident(self) -> None:
+        """The resident units' masters into shared memory (before anyone reads them there)."""
+        if self.resident is not None:
+            self.resident.flush()
+
+    def save_resident(self, folder: str) -> dict:
+        """The resident units' moments as a checkpoint part (none without resident units)."""
+        return self.resident.save(folder) if self.resident is not None else {}
+
+    def load_resident(self, folder: str) -> None:
+        """After the store has loaded the masters: the resident units' state from a checkpoint."""
+        if self.resident is not None:
+            self.resident.load(folder)
+
+    def resident_state(self) -> dict:
+        """Adam state of the resident pieces by (unit, start) (tests)."""
+        return self.resident.optimizer_state() if self.resident is not None else {}
+
     def link_speed(self, repeats: int = 5) -> dict:
         """Copy-in and copy-out bandwidth of the pinned buffers measured alone (nothing else
         running): every block's weights host->device as a step streams them (the compute

@@ -166,6 +166,8 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
                   f"TFLOP/s, loss {m['loss']:.4f}, GPU peak {m.get('worker/gpu_peak_bytes', 0) / 2**30:.2f} GiB, "
                   f"GPU idle {100 * breakdown(m)['gpu_idle_fraction']:.1f}%", flush=True)
         s.drain()
+        out["resident_blocks"] = len(s.handles.resident)     # optim.placement, as the session resolved it
+        out["host_bytes_per_param"] = plan(s.cfg).host_bytes_per_param
         try:
             out["link_alone"] = ray.get(s.actors["worker"].link_speed.remote())
         except ray.exceptions.RayError as e:     # a figure beside the result, not the result
@@ -176,7 +178,7 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
     step_s = med["step_time_seconds"]
     kept = med.get("worker/kept_blocks", 0)
     offloaded = med.get("worker/offloaded_inputs", 0)
-    predicted = plan(cfg, keep=kept, on_gpu=cfg.worker.device == "cuda", offload=offloaded)
+    predicted = plan(s.cfg, keep=kept, on_gpu=cfg.worker.device == "cuda", offload=offloaded)
     gpu_peak = max(m.get("worker/gpu_peak_bytes", 0) for m in ms)
     # less the copy of the initial weights this process holds for the baseline
     state_bytes = sum(v.nbytes for v in state.values()) if state else 0
@@ -255,7 +257,9 @@ def print_table(r: dict) -> None:
     print(f"{r['shape']} ({r['params'] / 1e9:.2f}B params) seq {r['seq_len']}, {r['tokens_per_step']} tokens/step "
           f"({r['grad_accum']} x {r['micro_batch']} x {r['seq_len']}), "
           f"{r['shards']} shards x {r['threads_per_shard']} threads, "
-          f"{r['host_bytes_per_param']:.2f} host bytes/param")
+          f"{r['host_bytes_per_param']:.2f} host bytes/param, "
+          + (f"the first {r['resident_blocks']} blocks resident" if r.get("resident_blocks")
+             else "every block streamed"))
     print(f"  megaray : {m['step_s']:.3f} s/step  {m['tflops']:.1f} TFLOP/s  {m['tokens_per_s']:.0f} tok/s  "
           f"GPU peak {m['gpu_peak_gib']:.1f} GiB")
     b = r.get("baseline")

@@ -52,35 +52,48 @@ class Handles:
     grad_dtype: str = "float32"                        # what crosses the link and waits in host memory
     grad_offsets: tuple[int, ...] = ()
     grad_bytes: int = 0
+    resident: tuple[int, ...] = ()                     # units whose state stays on the worker's device
 
     @classmethod
     def plan(cls, run_id: str, owner_pid: int, shm_dir: str, compute_dtype: str, units,
              slab_numel: int, ring_slabs: int, master_dtype: str = "float32", host_copy: bool = True,
-             grad_placement: str = "device", grad_dtype: str = "float32") -> Handles:
+             grad_placement: str = "device", grad_dtype: str = "float32", resident: tuple[int, ...] = ()) -> Handles:
+        """Resident units have master regions (written for checkpoints) but no gradient
+        pieces: nothing of theirs crosses the ring or reaches a shard."""
         units = tuple(units)
         m_off, m_bytes = unit_offsets(units, DTYPES[master_dtype].itemsize)
         if compute_dtype == master_dtype or not host_copy:
             c_off, c_bytes = m_off, 0
         else:
             c_off, c_bytes = unit_offsets(units, DTYPES[compute_dtype].itemsize)
-        pieces = cut_pieces(units, slab_numel)
+        pieces = cut_pieces([u for u in units if u.index not in resident], slab_numel)
         slab_numel = min(slab_numel, max(p.numel for p in pieces))   # no slab larger than the largest piece
-        first: dict[int, int] = {}
-        for p in pieces:                      # pieces are cut in unit order: one pass
-            first.setdefault(p.unit, p.index)
-        ranges = tuple((first[u.index], first.get(u.index + 1, len(pieces))) for u in units)
+        count = {u.index: 0 for u in units}
+        for p in pieces:
+            count[p.unit] += 1
+        ranges, first = [], 0
+        for u in units:                       # pieces are cut in unit order
+            ranges.append((first, first + count[u.index]))
+            first += count[u.index]
         g_off, g_bytes = unit_offsets(units, DTYPES[grad_dtype].itemsize) if grad_placement == "host" else ((), 0)
         if grad_placement == "host":
             ring_slabs = 0                    # gradients wait in their own regions, not in a ring
         return cls(run_id, owner_pid, shm_dir, compute_dtype, master_dtype, units, m_off, m_bytes, c_off, c_bytes,
-                   pieces, slab_numel, ring_slabs, ranges, grad_placement, grad_dtype, g_off, g_bytes)
+                   pieces, slab_numel, ring_slabs, tuple(ranges), grad_placement, grad_dtype, g_off, g_bytes,
+                   tuple(resident))
 
     @classmethod
     def for_config(cls, cfg, run_id: str, owner_pid: int, units) -> Handles:
         o = cfg.optim
         return cls.plan(run_id, owner_pid, cfg.cluster.shm_dir, cfg.train.compute_dtype, units,
                         o.slab_numel, o.ring_slabs, o.master_dtype, cfg.host_compute_copy,
-                        "host" if o.grad_placement == "host" else "device", o.grad_dtype)
+                        "host" if o.grad_placement == "host" else "device", o.grad_dtype,
+                        tuple(range(1, 1 + o.resident_blocks)))
+
+    @property
+    def streamed(self) -> tuple[int, ...]:
+        """Units whose state lives in host memory (every unit but the resident ones)."""
+        return tuple(u.index for u in self.units if u.index not in self.resident)
 
     def unit_pieces(self, u: int) -> range:
         """Indices of unit u's pieces (consecutive, since pieces are cut in unit order)."""

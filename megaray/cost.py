@@ -20,6 +20,7 @@ the pinned link, and the AdamW rates summed over 16 processes divided by 16.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from megaray import memory
@@ -39,29 +40,77 @@ class Speeds:
     gpu_tflops: float = 380.0      # bf16 model TFLOP/s of a step's compute on an H200
     link_gbps: float = 53.7        # pinned host<->device GB/s, each direction
     cores: int = 16                # cores for the optimizer shards
+    gpu_gbps: float = 4000.0       # the GPU's memory bandwidth reached by elementwise kernels
 
 
 def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
-    """Seconds of each term of a step and the predicted step time (``step_s``)."""
+    """Seconds of each term of a step and the predicted step time (``step_s``).
+
+    The updates are not free to overlap anything: they start when the previous step's norm
+    is known, in forward order, and the forward waits for each streamed unit's update before
+    it computes it. So the forward is simulated unit by unit: the embedding's update first,
+    then each block starts when the block before it has computed and (streamed) its own
+    update is done; resident blocks (``optim.placement``) wait for nothing. The wait this
+    adds to the forward (``wait_updates_s``) adds to the step; copy-in and copy-out still
+    bound it from below."""
     m, t, o = cfg.model, cfg.train, cfg.optim
     units = build_layout(m)
     n = m.num_params()
     L = m.num_hidden_layers
     block = units[1].numel if L else 0
+    res = min(L, o.resident_blocks)
+    streamed = n - res * block
+    tflops = speeds.gpu_tflops * 1e12
+    block_flops = 6.0 * block * t.tokens_per_step + 6.0 * m.hidden_size * t.seq_len * t.tokens_per_step
     recomputed = max(0, L - keep)
     flops = flops_per_step(m, t.tokens_per_step, t.seq_len)
-    block_share = (6.0 * block * t.tokens_per_step + 6.0 * m.hidden_size * t.seq_len * t.tokens_per_step) / 3
-    compute = (flops + recomputed * block_share) / (speeds.gpu_tflops * 1e12)
+    # resident updates on the device: 30 bytes a parameter (master, moments read and written,
+    # the gradient read, the compute copy written) at the GPU's memory bandwidth
+    resident_s = res * block * 30 / (speeds.gpu_gbps * 1e9)
+    compute = (flops + recomputed * block_flops / 3) / tflops + resident_s
     stream_bytes = 2 if cfg.host_compute_copy or o.master_dtype == "bfloat16" else 4
-    copy_in = (n + recomputed * block) * stream_bytes / (speeds.link_gbps * 1e9)
-    copy_out = n * (2 if o.grad_dtype == "bfloat16" else 4) / (speeds.link_gbps * 1e9)
+    copy_in = (streamed + max(0, L - keep - res) * block) * stream_bytes / (speeds.link_gbps * 1e9)
+    copy_out = streamed * (2 if o.grad_dtype == "bfloat16" else 4) / (speeds.link_gbps * 1e9)
     rate = ADAMW_PER_CORE.get((o.master_dtype, o.moment_dtype, o.grad_dtype), 6.0 / 16) * speeds.cores * 1e9
     if cfg.host_compute_copy:
         rate /= 1.2
-    updates = n / rate
-    first = block * stream_bytes / (speeds.link_gbps * 1e9)
+    updates = streamed / rate
+    f = block_flops / 3 / tflops                    # one block's forward
+    done = units[0].numel / rate                    # the embedding's update, first
+    clock = done
+    for i in range(L):
+        if i >= res:
+            done += block / rate
+            clock = max(clock, done)
+        clock += f
+    wait = clock - L * f
+    first = block * stream_bytes / (speeds.link_gbps * 1e9) if res == 0 else 0.0
     return {"compute_s": compute, "copy_in_s": copy_in, "copy_out_s": copy_out, "updates_s": updates,
-            "step_s": max(compute, copy_in, copy_out, updates) + first}
+            "wait_updates_s": wait, "resident_updates_s": resident_s,
+            "step_s": max(compute + wait, copy_in, copy_out) + first}
+
+
+def choose_placement(cfg: RunConfig, speeds: Speeds, budget_bytes: int, cast_slab_bytes: int) -> list[dict]:
+    """Every resident block count that fits the GPU budget (with the inputs the worker would
+    offload and the blocks it would keep), each with its predicted step; the first row is
+    the all-host placement (0), the best is the fastest (the fewest blocks among equals)."""
+    rows = []
+    for res in range(cfg.model.num_hidden_layers + 1):
+        c = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement=res))
+        offload = memory.offload_count(c, budget_bytes, cast_slab_bytes=cast_slab_bytes)
+        keep = memory.keep_count(c, budget_bytes, offload, cast_slab_bytes)
+        need = memory.gpu_total(c, keep, offload, cast_slab_bytes)
+        if need > budget_bytes:
+            break                                   # more resident blocks need more memory
+        rows.append({"resident": res, "keep": keep, "offload": offload, "gpu_bytes": need,
+                     **predict(c, speeds, keep)})
+    return rows
+
+
+def best(rows: list[dict]) -> dict:
+    """The fastest placement; among those within 0.5% of it, the fewest resident blocks."""
+    fastest = min(r["step_s"] for r in rows)
+    return next(r for r in rows if r["step_s"] <= fastest * 1.005)
 
 
 def kept_blocks(cfg: RunConfig, budget_bytes: int, offload: int, cast_slab_bytes: int) -> int:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from megaray.config import ModelConfig, RunConfig
 from megaray.layout import build_layout
-from megaray.model import SDPA_GQA
+from megaray.model import LOSS_ROWS, SDPA_GQA
 
 GiB = 2**30
 CUDA_CONTEXT_BYTES = 1 * GiB
@@ -133,29 +133,32 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
         # product's gradient and the gate's and up's gradients
         "recomputation workspace (1 micro-batch)": sh.internal_per_token * sh.micro_tokens + (
             mlp_chunk or 3 * s * m.intermediate_size * sh.micro_tokens),
-        "loss chunk (logits, log-softmax, gradients)": loss_chunk_bytes(cfg),
+        "loss chunk (logits, gradients)": loss_chunk_bytes(cfg),
         "kept blocks (internals + weights, at the peak)": n_kept * sh.kept_one,
         "CUDA context and allocator slack": CUDA_CONTEXT_BYTES,
     }
+    n_res = cfg.optim.resident_blocks
+    if n_res:       # fp32 master, two fp32 moments, the compute copy; in host mode their gradients too
+        per_param = 4 + 8 + s + (0 if grads_on_device(cfg) else 4)
+        items[f"resident blocks ({n_res}: master, moments, copy)"] = n_res * sh.block_numel * per_param
     if cast_slab_bytes:
         items["fp32 staging of the on-device cast"] = cast_slab_bytes
     return items
 
 
 def loss_chunk_bytes(cfg: RunConfig) -> int:
-    """The head's transient memory for one loss chunk of C tokens over a vocabulary of V, at
-    the larger of its two peaks under autograd: the log-softmax's backward, when its fp32
-    output (saved), the gradient coming in and the gradient going out are alive at once
-    (3 x 4CV bytes); and the output projection's backward, when the logits' gradient, the
-    projection weight's gradient and the flat unit gradient it is scattered into are alive,
-    all in the compute dtype of s bytes (sCV + 2sVH). Measured on the H200 (BENCHMARKS.md,
-    session 6): a 12 GiB run ran out of memory allocating the third 4CV tensor when the model
-    counted two."""
+    """The head's transient memory for one loss chunk of C tokens over a vocabulary of V
+    (``model.head_loss_and_grads``), at the larger of its two peaks: while the logits'
+    gradient is formed, the logits and their gradient in the compute dtype (s bytes) and two
+    fp32 blocks of ``LOSS_ROWS`` rows (2sCV + 8RV); in the projection's backward, the
+    logits' gradient, the projection weight's gradient and the flat unit gradient it is
+    scattered into (sCV + 2sVH). Measured on the H200 (BENCHMARKS.md, session 6): autograd's
+    own log-softmax held three fp32 [C, V] tensors, which a 12 GiB run could not hold."""
     m, t = cfg.model, cfg.train
     s = _DTYPE_BYTES[t.compute_dtype]
     c = min(t.loss_chunk_tokens, t.micro_batch_size * t.seq_len)
     v = m.vocab_size
-    return max(3 * 4 * c * v, s * c * v + 2 * s * v * m.hidden_size)
+    return max(2 * s * c * v + 2 * 4 * min(c, LOSS_ROWS) * v, s * c * v + 2 * s * v * m.hidden_size)
 
 
 def gpu_total(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: int = 0) -> int:

@@ -313,6 +313,43 @@ def head_loss_sum(w_head: dict, w_embed: dict | None, x: torch.Tensor, targets: 
     return loss, (targets != IGNORE_INDEX).sum()
 
 
+LOSS_ROWS = 1024     # rows of a loss chunk turned into fp32 at once by head_loss_and_grads
+
+
+def head_loss_and_grads(w_head: dict, w_embed: dict | None, x: torch.Tensor, targets: torch.Tensor,
+                        cfg: ModelConfig, scale: float, inputs: list[torch.Tensor]):
+    """Sum of token cross-entropies of one chunk, and the gradients of ``scale`` x that sum
+    with respect to ``inputs`` (leaves the chunk's graph was built from).
+
+    The logits' gradient, ``scale`` x (softmax - one-hot target), zero for IGNORE_INDEX, is
+    formed directly, ``LOSS_ROWS`` rows at a time in fp32 (fp64 for fp64 logits), into a tensor of the logits' dtype;
+    autograd takes it from there (the projection and the norm). Autograd's own log-softmax
+    would hold three fp32 [N, V] tensors at its peak; this holds the logits, their gradient
+    and two fp32 [LOSS_ROWS, V] blocks (``megaray.memory.loss_chunk_bytes``). Same math as
+    ``head_loss_sum`` + backward, to fp32 rounding.
+    """
+    h = rms_norm(x, w_head["model.norm.weight"], cfg.rms_norm_eps)
+    out = w_embed["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w_head["lm_head.weight"]
+    logits = F.linear(h, out)
+    grad = torch.empty_like(logits)
+    acc = torch.promote_types(logits.dtype, torch.float32)          # fp32, or fp64 for fp64 logits
+    loss = torch.zeros((), dtype=acc, device=x.device)
+    with torch.no_grad():
+        for r in range(0, logits.shape[0], LOSS_ROWS):
+            lf = logits[r:r + LOSS_ROWS].to(acc, copy=True)
+            t = targets[r:r + LOSS_ROWS]
+            valid = t != IGNORE_INDEX
+            t = torch.where(valid, t, 0).unsqueeze(1)
+            lse = torch.logsumexp(lf, dim=1, keepdim=True)
+            loss += ((lse - lf.gather(1, t)).squeeze(1) * valid).sum()
+            lf.sub_(lse).exp_()                                     # softmax
+            lf.scatter_add_(1, t, torch.full_like(t, -1.0, dtype=lf.dtype))
+            lf.mul_(valid.unsqueeze(1).to(acc)).mul_(scale)
+            grad[r:r + LOSS_ROWS] = lf
+    grads = torch.autograd.grad(logits, inputs, grad_outputs=grad)
+    return loss, grads
+
+
 def flops_per_step(cfg: ModelConfig, tokens: int, seq_len: int) -> float:
     """ARCHITECTURE.md's formula: 6 x params x tokens + 6 x layers x hidden x seq x tokens."""
     return 6.0 * cfg.num_params() * tokens + 6.0 * cfg.num_hidden_layers * cfg.hidden_size * seq_len * tokens

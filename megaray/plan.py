@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from megaray import memory
 from megaray.buffers import DTYPES, Handles
 from megaray.config import RunConfig
+from megaray.cost import Speeds, best, choose_placement
 from megaray.errors import PlanError
 from megaray.layout import build_layout
 from megaray.memory import GiB
@@ -126,7 +127,8 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
     p.shm["control words"] = h.control_bytes
     if cfg.cluster.address is None:
         p.shm["ray object store"] = cfg.cluster.object_store_mb * 2**20
-    p.host_private = {f"adam moments ({_SHORT[o.moment_dtype]})": 2 * DTYPES[o.moment_dtype].itemsize * p.params,
+    streamed = p.params - sum(units[u].numel for u in h.resident)      # resident moments live on the device
+    p.host_private = {f"adam moments ({_SHORT[o.moment_dtype]})": 2 * DTYPES[o.moment_dtype].itemsize * streamed,
                       "actor processes": PROCESS_BYTES * (cfg.optim.num_shards + 3 + cfg.worker.count)}
     if not on_gpu:
         p.host_private["step gradients held by the worker (CPU device)"] = 4 * p.params
@@ -149,6 +151,8 @@ def savings(cfg: RunConfig) -> list[tuple[str, int, float]]:
     base = plan(cfg)
 
     def alt(name: str, **changes) -> tuple[str, int, float]:
+        if "moment_dtype" in changes or "master_dtype" in changes:
+            changes["placement"] = "host"            # bf16 state is never resident
         q = plan(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **changes)))
         return name, base.host_total - q.host_total, q.host_bytes_per_param
 
@@ -163,6 +167,41 @@ def savings(cfg: RunConfig) -> list[tuple[str, int, float]]:
         out.append(alt("both", moment_dtype="bfloat16", master_dtype="bfloat16"))
     if cfg.host_compute_copy:
         out.append(alt("optim.compute_copy=device", compute_copy="device"))
+    return out
+
+
+def remedies(cfg: RunConfig, machine: Machine) -> list[str]:
+    """Single overrides, each of which alone makes a run that does not fit ``machine`` fit
+    (tried in this order): gradients to host memory and in bf16, bf16 moments or master, the
+    largest loss chunk that fits (a multiple of 256), the largest micro-batch that fits with
+    the same tokens per step."""
+    def fits(c: RunConfig) -> bool:
+        return not shortfalls(plan_for(c, machine), machine)
+
+    def with_(section: str, **changes) -> RunConfig:
+        return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
+
+    out = []
+    o, t = cfg.optim, cfg.train
+    if resolve(cfg, machine).optim.grad_placement == "device" and machine.gpu_bytes is not None:
+        if fits(with_("optim", grad_placement="host")):
+            out.append("optim.grad_placement=host")
+    if o.grad_dtype == "float32" and fits(with_("optim", grad_placement="host", grad_dtype="bfloat16")):
+        out.append("optim.grad_placement=host optim.grad_dtype=bfloat16")
+    if o.moment_dtype == "float32" and fits(with_("optim", moment_dtype="bfloat16")):
+        out.append("optim.moment_dtype=bfloat16")
+    if o.master_dtype == "float32" and t.compute_dtype == "bfloat16" and fits(with_("optim", master_dtype="bfloat16")):
+        out.append("optim.master_dtype=bfloat16")
+    chunk = min(t.loss_chunk_tokens, t.micro_batch_size * t.seq_len)
+    k = memory._largest(lambda k: fits(with_("train", loss_chunk_tokens=256 * k)), 1, chunk // 256 - 1)
+    if k >= 1:
+        out.append(f"train.loss_chunk_tokens={256 * k}")
+    rows = t.micro_batch_size * t.grad_accum
+    mbs = [mb for mb in range(t.micro_batch_size - 1, 0, -1) if rows % mb == 0]
+    for mb in mbs:
+        if fits(with_("train", micro_batch_size=mb, grad_accum=rows // mb)):
+            out.append(f"train.micro_batch_size={mb} train.grad_accum={rows // mb}")
+            break
     return out
 
 
@@ -220,18 +259,38 @@ def gpu_budget(cfg: RunConfig, machine: Machine) -> int | None:
     return memory.budget(free)
 
 
-def resolve(cfg: RunConfig, machine: Machine) -> RunConfig:
-    """The config with ``optim.grad_placement`` auto decided for ``machine``: the device when the
-    step fits its GPU that way (offloading inputs if it must), else host memory."""
-    if cfg.optim.grad_placement != "auto":
-        return cfg
-    choice = "device"
+def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> RunConfig:
+    """The config with its 'auto' choices decided for ``machine``: ``optim.grad_placement``
+    (the device when the step fits its GPU that way, offloading inputs if it must, else host
+    memory), then ``optim.placement`` (the cost model's fastest number of resident blocks
+    within the GPU budget, ``megaray.cost.choose_placement``; host without a GPU, or where
+    resident blocks cannot be: bf16 state, several workers, a remote worker)."""
     gpu = gpu_budget(cfg, machine)
-    if gpu is not None:
-        on_device = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_placement="device"))
-        if plan_for(on_device, machine).gpu_total > gpu:
-            choice = "host"
-    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_placement=choice))
+    o = cfg.optim
+    if o.grad_placement == "auto":
+        choice = "device"
+        if gpu is not None:
+            on_device = dataclasses.replace(cfg, optim=dataclasses.replace(o, grad_placement="device"))
+            if plan_for(on_device, machine).gpu_total > gpu:
+                choice = "host"
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(o, grad_placement=choice))
+    if cfg.optim.placement == "auto":
+        res = 0
+        if gpu is not None and can_be_resident(cfg):
+            rows = choose_placement(cfg, speeds or shard_speeds(cfg), gpu, cast_slab_bytes(cfg))
+            res = best(rows)["resident"] if rows else 0
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement=res or "host"))
+    return cfg
+
+
+def can_be_resident(cfg: RunConfig) -> bool:
+    o, w = cfg.optim, cfg.worker
+    return (o.master_dtype, o.moment_dtype) == ("float32", "float32") and w.count == 1 and w.placement == "local"
+
+
+def shard_speeds(cfg: RunConfig) -> Speeds:
+    """The default speeds with the cores the optimizer shards are given."""
+    return Speeds(cores=cfg.optim.num_shards * cfg.optim.threads_per_shard)
 
 
 def plan_for(cfg: RunConfig, machine: Machine) -> Plan:
@@ -253,5 +312,8 @@ def check(cfg: RunConfig, machine: Machine | None = None) -> Plan:
     p = plan_for(cfg, machine)
     short = shortfalls(p, machine)
     if short:
-        raise PlanError("the run does not fit this machine:\n  " + "\n  ".join(short) + "\n" + p.report(machine))
+        fixes = remedies(cfg, machine)
+        hint = ("\nit would fit with any one of: " + "; ".join(fixes)) if fixes else ""
+        raise PlanError("the run does not fit this machine:\n  " + "\n  ".join(short) + hint + "\n"
+                        + p.report(machine))
     return p

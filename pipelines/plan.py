@@ -22,11 +22,22 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     a = p.parse_args(argv)
     import os
 
-    from megaray.cost import Speeds, kept_blocks, predict
+    from megaray.cost import Speeds, best, choose_placement, kept_blocks, predict
     from megaray.errors import ConfigError
     from megaray.loader import load_config
     from megaray.memory import GiB
-    from megaray.plan import Machine, cast_slab_bytes, gpu_budget, largest_fit, plan_for, resolve, savings, shortfalls
+    from megaray.plan import (
+        Machine,
+        can_be_resident,
+        cast_slab_bytes,
+        gpu_budget,
+        largest_fit,
+        plan_for,
+        remedies,
+        resolve,
+        savings,
+        shortfalls,
+    )
 
     try:
         cfg = load_config(a.config, a.overrides)
@@ -42,22 +53,29 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     else:
         machine = Machine.here(cfg.cluster.shm_dir, probe_gpu=cfg.worker.device != "cpu")
         where = "this machine"
-    cfg = resolve(cfg, machine)
+    speeds = Speeds(gpu_tflops=a.gpu_tflops or 380.0, link_gbps=a.link_gbps or 53.7,
+                    cores=a.cores or (16 if a.host_gib is not None else os.cpu_count() or 1))
+    asked = cfg.optim.placement
+    cfg = resolve(cfg, machine, speeds)
     pl = plan_for(cfg, machine)
+    res = cfg.optim.resident_blocks
     print(f"plan for {where}; gradients wait for the norm on the "
-          f"{'GPU' if cfg.optim.grad_placement != 'host' else 'host'} (optim.grad_placement)")
+          f"{'GPU' if cfg.optim.grad_placement != 'host' else 'host'} (optim.grad_placement); "
+          + (f"the first {res} of {cfg.model.num_hidden_layers} blocks resident on the GPU" if res
+             else "every block streamed") + f" (optim.placement {asked})")
     print(pl.report(machine))
     for override, saved, per_param in savings(cfg):
         print(f"option {override}: saves {saved / 2**30:.2f} GiB of host memory ({per_param:.2f} bytes/param)")
     gpu = gpu_budget(cfg, machine)
     if gpu is not None:
-        speeds = Speeds(gpu_tflops=a.gpu_tflops or 380.0, link_gbps=a.link_gbps or 53.7,
-                        cores=a.cores or (16 if a.host_gib is not None else os.cpu_count() or 1))
         keep = kept_blocks(cfg, gpu, pl.offload_inputs, cast_slab_bytes(cfg))
         t = predict(cfg, speeds, keep)
-        print(f"predicted step: {t['step_s']:.2f} s (compute {t['compute_s']:.2f}, copy-in {t['copy_in_s']:.2f}, "
-              f"copy-out {t['copy_out_s']:.2f}, updates {t['updates_s']:.2f} on {speeds.cores} cores; keeping "
-              f"{keep} blocks' activations), {cfg.train.tokens_per_step / t['step_s']:.0f} tokens/s")
+        print(f"predicted step: {t['step_s']:.2f} s (compute {t['compute_s']:.2f}, forward waiting for updates "
+              f"{t['wait_updates_s']:.2f}, copy-in {t['copy_in_s']:.2f}, copy-out {t['copy_out_s']:.2f}, updates "
+              f"{t['updates_s']:.2f} on {speeds.cores} cores; keeping {keep} blocks' activations), "
+              f"{cfg.train.tokens_per_step / t['step_s']:.0f} tokens/s")
+        if can_be_resident(cfg):
+            print_placements(choose_placement(cfg, speeds, gpu, cast_slab_bytes(cfg)), best)
         mb, seq = largest_fit(cfg, machine)
         print(f"largest micro_batch_size at seq_len {cfg.train.seq_len}: {mb}; "
               f"largest seq_len at micro_batch_size {cfg.train.micro_batch_size}: {seq}")
@@ -66,7 +84,29 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     short = shortfalls(pl, machine)
     for line in short:
         print(f"DOES NOT FIT: {line}")
+    if short:
+        for fix in remedies(cfg, machine):
+            print(f"fits with: {fix}")
     return 1 if short else 0
+
+
+def print_placements(rows: list[dict], best) -> None:
+    """What resident blocks buy: a few placements that fit, with their GPU need and
+    predicted step, and the seconds each saves per GiB of GPU memory over all-host."""
+    if len(rows) < 2:
+        print("placements: no resident block fits beside the step (optim.placement host)")
+        return
+    pick = best(rows)["resident"]
+    n = len(rows) - 1
+    show = sorted({0, pick, n, n // 4, n // 2, 3 * n // 4})
+    host = rows[0]
+    print("placements (optim.placement N: the first N blocks resident):")
+    for r in (rows[k] for k in show):
+        extra = (r["gpu_bytes"] - host["gpu_bytes"]) / 2**30
+        per_gib = (host["step_s"] - r["step_s"]) / extra if extra > 0 else 0.0
+        mark = "  <- auto" if r["resident"] == pick else ""
+        print(f"  {r['resident']:4d}: GPU {r['gpu_bytes'] / 2**30:7.2f} GiB, step {r['step_s']:7.3f} s "
+              f"(waiting for updates {r['wait_updates_s']:.3f}), saves {per_gib:.3f} s per GiB{mark}")
 
 
 if __name__ == "__main__":

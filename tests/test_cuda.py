@@ -109,3 +109,17 @@ def test_pinned_host_buffers_are_exactly_their_size():
     assert torch.equal(t.to("cuda"), x)
     dev.unpin(t)
     assert not t.is_pinned()
+
+
+@pytest.mark.parametrize("grads", ["device", "host"])
+def test_resident_blocks_on_the_gpu_equal_streamed_ones(gpu_ray, grads):
+    """optim.placement 2 on the GPU (torch's fused AdamW on the device, per weight-decay
+    group) against every block streamed and updated by the shards: equal to fp32 rounding."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    extra = (f"optim.grad_placement={grads}", "optim.clip_grad_norm=0.05", "optim.weight_decay=0.1")
+    ref_l, ref_w = _train("cuda", "float32", extra=(*extra, "optim.placement=host"))
+    res_l, res_w = _train("cuda", "float32", extra=(*extra, "optim.placement=2"))
+    np.testing.assert_allclose(res_l, ref_l, rtol=1e-6)
+    for k in ref_w:
+        err = np.linalg.norm(res_w[k] - ref_w[k]) / np.linalg.norm(ref_w[k])
+        assert err < 1e-6, (k, err)

@@ -101,10 +101,19 @@ def test_the_gpu_budget_caps_the_plan_and_refuses_before_allocating():
     machine = Machine(10**15, 10**15, 141 * GiB)
     p = check(cfg, machine)                   # fits within 12 of the 141 GiB, less the allocator's reserve
     assert p.gpu_total <= int(12 * GiB * 0.94) - 2 * GiB and resolve(cfg, machine).optim.grad_placement == "host"
-    # the loss chunk of 4096 tokens alone (three fp32 [4096, 128256] tensors) would not
-    wide = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loss_chunk_tokens=4096))
-    with pytest.raises(PlanError, match=r"GPU memory: needs [\d.]+ GiB, 9.28 GiB usable \(short by"):
+    # micro-batches of 4 rows with a loss chunk of all their 8192 tokens would not fit
+    wide = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=4, grad_accum=4,
+                                                              loss_chunk_tokens=8192))
+    with pytest.raises(PlanError, match=r"GPU memory: needs [\d.]+ GiB, 9.28 GiB usable \(short by") as e:
         check(wide, machine)
+    # and the refusal says what would: the largest loss chunk (a multiple of 256), which is
+    # the edge, or smaller micro-batches at the same tokens per step
+    assert "train.micro_batch_size=2 train.grad_accum=8" in str(e.value)
+    chunk = int(str(e.value).split("train.loss_chunk_tokens=")[1].split(";")[0].split()[0])
+    assert chunk % 256 == 0 and chunk < 8192
+    check(dataclasses.replace(wide, train=dataclasses.replace(wide.train, loss_chunk_tokens=chunk)), machine)
+    with pytest.raises(PlanError):
+        check(dataclasses.replace(wide, train=dataclasses.replace(wide.train, loss_chunk_tokens=chunk + 256)), machine)
     tight = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, gpu_memory_gib=3.0))
     with pytest.raises(PlanError, match=r"GPU memory: needs [\d.]+ GiB, 0.82 GiB usable \(short by"):
         check(tight, machine)

@@ -41,12 +41,13 @@ def test_llama3b_gpu_items_by_hand():
     # the peak is at the head: every block's input and the last output (29 x 384 MiB) outweigh
     # the blocks' fp32 gradients at the backward's end (28 x 384.02 MiB)
     assert p.gpu["saved block inputs (at the peak)"] == 2 * 29 * 65536 * 3072
-    # the loss chunk's peak: the log-softmax backward's three fp32 [4096, vocab] tensors, more
-    # than the projection backward's bf16 logits gradient and two bf16 [vocab, 3072] gradients
-    assert p.gpu["loss chunk (logits, log-softmax, gradients)"] == 3 * 4 * 4096 * 128256
-    assert 3 * 4 * 4096 * 128256 > 2 * 4096 * 128256 + 2 * 2 * 128256 * 3072
+    # the loss chunk's peak: bf16 logits and their gradient [4096, vocab] and two fp32 blocks
+    # of 1024 rows, more than the projection backward's bf16 logits gradient and two bf16
+    # [vocab, 3072] gradients
+    assert p.gpu["loss chunk (logits, gradients)"] == 2 * 2 * 4096 * 128256 + 2 * 4 * 1024 * 128256
+    assert 2 * 2 * 4096 + 2 * 4 * 1024 > 2 * 4096 + 2 * 2 * 3072
     small = plan(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loss_chunk_tokens=512)))
-    assert small.gpu["loss chunk (logits, log-softmax, gradients)"] == 2 * 512 * 128256 + 2 * 2 * 128256 * 3072
+    assert small.gpu["loss chunk (logits, gradients)"] == 2 * 512 * 128256 + 2 * 2 * 128256 * 3072
     # 64k tokens a step: the worker casts on the device (optim.compute_copy auto), no bf16 copy
     assert "bfloat16 compute copy" not in p.shm
     assert p.gpu["fp32 staging of the on-device cast"] == 64 * 2**20

@@ -11,6 +11,7 @@ import pytest
 import torch
 from reference import RefBlock, RefLlama
 
+from megaray import model
 from megaray.config import ModelConfig
 from megaray.layout import bind, build_layout, short_name
 from megaray.model import block_forward, embed_forward, flops_per_step, head_loss_sum, init_unit, rope_tables
@@ -162,3 +163,33 @@ def test_flops_formula_matches_design_md():
     cfg = _cfg(shape="debug")
     n = cfg.num_params()
     assert flops_per_step(cfg, 1000, 100) == 6 * n * 1000 + 6 * 2 * 32 * 100 * 1000
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["llama-gqa", "qwen3-qknorm-untied"])
+def test_the_loss_gradient_formed_directly_equals_autograds(case, dtype, monkeypatch):
+    """head_loss_and_grads (the worker's head) against autograd through head_loss_sum's
+    cross-entropy: loss and every input's gradient, with ignored targets, several row blocks
+    and an uneven last one."""
+    monkeypatch.setattr(model, "LOSS_ROWS", 4)
+    torch.manual_seed(0)
+    cfg = _cfg(**CASES[case])
+    units = build_layout(cfg)
+    head, emb = (init_unit(u, cfg, seed=5).to(dtype).requires_grad_() for u in (units[-1], units[0]))
+    x = torch.randn(11, cfg.hidden_size, dtype=dtype).requires_grad_()
+    t = torch.randint(0, cfg.vocab_size, (11,))
+    t[[2, 7]] = model.IGNORE_INDEX
+    wh, we = bind(head, units[-1]), bind(emb, units[0])
+    ins = [head, x] + ([emb] if cfg.tie_word_embeddings else [])
+    loss, got = model.head_loss_and_grads(wh, we, x, t, cfg, 0.3, ins)
+    # autograd's cross-entropy on logits in fp32 (fp64 for fp64 weights), as head_loss_sum
+    h = model.rms_norm(x, wh["model.norm.weight"], cfg.rms_norm_eps)
+    out = we["model.embed_tokens.weight"] if cfg.tie_word_embeddings else wh["lm_head.weight"]
+    logits = torch.nn.functional.linear(h, out).to(torch.promote_types(dtype, torch.float32))
+    ref = torch.nn.functional.cross_entropy(logits, t, ignore_index=model.IGNORE_INDEX, reduction="sum")
+    want = torch.autograd.grad(ref * 0.3, ins)
+    rtol, atol = {torch.float64: (1e-12, 1e-14), torch.float32: (1e-5, 1e-7), torch.bfloat16: (2e-2, 1e-3)}[dtype]
+    torch.testing.assert_close(loss.double(), ref.double(), rtol=1e-12 if dtype == torch.float64 else 1e-6, atol=0)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g.double(), w.double(), rtol=rtol, atol=atol * float(w.abs().max()))

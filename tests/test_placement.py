@@ -1,0 +1,167 @@
+"""Resident blocks (``optim.placement`` N): state on the worker's device, updated there.
+
+On the CPU a resident block runs the shards' own AdamW calls piece by piece, so any placement
+must equal the all-host one bit for bit: losses and every weight, with clipping that clips,
+clipping off, a skipped non-finite step, weight-decay groups (matrices decayed, norms not),
+gradient accumulation, both homes of the gradients and bf16 gradients. A checkpoint written
+with one placement resumes with another, exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+
+from megaray.actors.session import TrainingSession
+from megaray.checkpoint import Checkpoint
+from megaray.cost import ADAMW_PER_CORE, Speeds, choose_placement, predict
+from megaray.errors import ConfigError
+from megaray.loader import load_config
+from megaray.memory import GiB
+from megaray.plan import Machine, cast_slab_bytes, gpu_budget, plan, resolve
+from megaray.runner import train
+
+BASE = ["train.grad_accum=2", "train.steps=4", "optim.num_shards=2", "optim.grad_slab_mib=0.01",
+        "optim.weight_decay=0.1", "optim.warmup_steps=0"]
+
+
+def _train(*extra: str, steps: int = 4):
+    cfg = load_config("debug", [*BASE, *extra])
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 256, (2, 2, 33)) for _ in range(steps)]
+    with TrainingSession(cfg) as s:
+        assert s.handles.resident == tuple(range(1, 1 + cfg.optim.resident_blocks))
+        ms = [s.train_step(i, b) for i, b in enumerate(batches)]
+        resident = ray.get(s.actors["worker"].resident_state.remote())
+        return ms, s.state_dict(), resident
+
+
+CASES = {
+    "ring-clipped": ["optim.grad_placement=device", "optim.clip_grad_norm=0.05"],
+    "ring-skipped-step": ["optim.grad_placement=device", "optim.clip_grad_norm=0.05", "debug.nonfinite_steps=[1]"],
+    "host-clipped": ["optim.grad_placement=host", "optim.clip_grad_norm=0.05"],
+    "host-clipping-off": ["optim.grad_placement=host", "optim.clip_grad_norm=null"],
+    "host-bf16-gradients": ["optim.grad_placement=host", "optim.grad_dtype=bfloat16", "optim.clip_grad_norm=0.05"],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resident_blocks_equal_streamed_blocks_bit_for_bit(ray_cluster, case):
+    opts = CASES[case]
+    ref, ref_w, _ = _train("optim.placement=host", *opts)
+    placement = 1 if case == "ring-clipped" else 2          # one of the two blocks, or both
+    got, got_w, resident = _train(f"optim.placement={placement}", *opts)
+    np.testing.assert_array_equal([m["loss"] for m in got], [m["loss"] for m in ref])   # NaN = NaN
+    assert [m["skipped"] for m in got] == [m["skipped"] for m in ref]
+    if "debug.nonfinite_steps=[1]" in opts:
+        assert [m["skipped"] for m in got] == [False, True, False, False]
+    if "optim.clip_grad_norm=0.05" in opts:
+        assert all(m["clip_coefficient"] < 0.9 for m in ref if not m["skipped"])   # clipping did clip
+    for k in ref_w:
+        np.testing.assert_array_equal(got_w[k], ref_w[k], err_msg=k)
+    # the resident pieces' Adam steps: every applied step counted, the skipped one not
+    applied = sum(not m["skipped"] for m in got)
+    assert {k[0] for k in resident} == set(range(1, 1 + placement))
+    assert {v["step"] for v in resident.values()} == {applied}
+
+
+def _losses(summary) -> dict[int, float]:
+    rows = [json.loads(x) for x in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+@pytest.mark.parametrize("before, after", [("host", 2), (2, "host"), (1, 2)])
+def test_a_checkpoint_resumes_with_another_placement(ray_cluster, tmp_path, before, after):
+    """Cut after step 4 (a checkpoint at 3), resume with another placement: steps 4-6 and
+    the final weights equal the uninterrupted all-host run's, bit for bit."""
+    base = ["train.steps=6", "train.log_every=1", "train.eval_batches=1", "data.max_bytes=50000",
+            "optim.grad_slab_mib=0.01"]
+
+    def cfg(tmp: Path, *extra: str):
+        return load_config("debug", [*base, f"run.dir={tmp}", *extra])
+
+    ref = train(cfg(tmp_path / "ref", "checkpoint.resume=null"))
+
+    def interrupt(step, session):
+        if step == 4:
+            raise KeyError("interrupt")
+
+    with pytest.raises(KeyError):
+        train(cfg(tmp_path / "cut", "checkpoint.every=3", f"optim.placement={before}"), on_step=interrupt)
+    written = Checkpoint(next((tmp_path / "cut").rglob("step-*")))
+    assert ("resident.bin" in written.parts) == (before != "host")
+    s = train(cfg(tmp_path / "cut", f"optim.placement={after}"))
+    assert s["first_step"] == 3
+    want = _losses(ref)
+    assert _losses(s) == {k: want[k] for k in (4, 5, 6)}
+    final = Path(s["checkpoint"])
+    assert (final / "master.bin").read_bytes() == (Path(ref["checkpoint"]) / "master.bin").read_bytes()
+
+
+def test_placement_is_checked_with_the_key_named():
+    with pytest.raises(ConfigError, match="optim.placement.*3 resident blocks, but the model has 2"):
+        load_config("debug", ["optim.placement=3"])
+    with pytest.raises(ConfigError, match="optim.placement.*fp32 master and fp32 moments"):
+        load_config("debug", ["optim.placement=1", "optim.moment_dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="optim.placement.*one worker"):
+        load_config("debug", ["optim.placement=1", "worker.count=2"])
+    with pytest.raises(ConfigError, match="optim.placement.*must be host, auto or a number"):
+        load_config("debug", ["optim.placement=everywhere"])
+
+
+def test_the_plan_moves_resident_state_from_host_to_gpu():
+    """Two of llama1b's 16 blocks resident: 8 bytes a parameter of moments leave the host;
+    the GPU gains 4 + 8 + 2 bytes a parameter (master, moments, bf16 copy), 4 more for their
+    gradients when gradients wait in host memory."""
+    over = ["model.shape=llama1b", "train.seq_len=2048", "train.compute_dtype=bfloat16", "optim.num_shards=4"]
+    host = plan(load_config("debug", over))
+    for gp, per_param in (("device", 14), ("host", 18)):
+        res = plan(load_config("debug", [*over, "optim.placement=2", f"optim.grad_placement={gp}"]))
+        block = 2 * 2048 + 2048 * 2048 * 2 + 2 * 2048 * 512 + 3 * 2048 * 8192     # llama1b: 32/8 heads of 64
+        assert res.gpu["resident blocks (2: master, moments, copy)"] == 2 * block * per_param
+    moments = "adam moments (fp32)"
+    assert host.host_private[moments] - res.host_private[moments] == 8 * 2 * block
+
+
+def test_the_forward_waits_for_each_streamed_update():
+    """cost.predict's schedule in the regime where updates are the bound (one core): all
+    blocks streamed, the forward's last block starts when every update is done; all blocks
+    resident, it waits only for the embedding's update."""
+    cfg = load_config("debug", ["train.grad_accum=1", "optim.grad_placement=device"])
+    speeds = Speeds(gpu_tflops=1000.0, cores=1)
+    rate = ADAMW_PER_CORE[("float32", "float32", "float32")] * 1e9
+    embed, block = 256 * 32, 9280
+    t = cfg.train.tokens_per_step
+    f = (6.0 * block * t + 6.0 * 32 * cfg.train.seq_len * t) / 3 / 1e15      # one block's forward
+    assert block / rate > f                                                   # updates are the bound
+    streamed = predict(cfg, speeds)
+    assert streamed["wait_updates_s"] == pytest.approx(embed / rate + 2 * block / rate + f - 2 * f)
+    resident = predict(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement=2)), speeds)
+    assert resident["wait_updates_s"] == pytest.approx(embed / rate)
+    assert resident["updates_s"] == pytest.approx((streamed["updates_s"] * rate - 2 * block) / rate)
+
+
+def test_auto_placement_is_the_fastest_that_fits():
+    over = ["model.shape=llama3b", "train.seq_len=2048", "train.micro_batch_size=4", "train.grad_accum=2",
+            "train.compute_dtype=bfloat16", "optim.num_shards=7", "optim.threads_per_shard=2",
+            "optim.placement=auto"]
+    cfg = load_config("debug", over)
+    big = Machine(10**15, 10**15, 139 * GiB)
+    chosen = resolve(cfg, big).optim.placement
+    rows = choose_placement(resolve(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim,
+                                                                                       placement="host")), big),
+                            Speeds(cores=14), gpu_budget(cfg, big), cast_slab_bytes(cfg))
+    by_n = {r["resident"]: r for r in rows}
+    assert isinstance(chosen, int) and chosen > 0
+    assert by_n[chosen]["step_s"] <= 1.005 * min(r["step_s"] for r in rows) < by_n[0]["step_s"]
+    assert all(r["gpu_bytes"] <= gpu_budget(cfg, big) for r in rows)
+    # a smaller GPU holds fewer resident blocks; without a GPU, or with bf16 moments, none
+    small = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, gpu_memory_gib=24))
+    assert resolve(small, big).optim.placement in ("host", *range(chosen + 1))
+    assert resolve(cfg, Machine(10**15, 10**15, None)).optim.placement == "host"
+    bf16 = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, moment_dtype="bfloat16"))
+    assert resolve(bf16, big).optim.placement == "host"

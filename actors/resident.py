@@ -15,10 +15,12 @@ fp32 rounding), the same clip coefficient, skipping, weight-decay groups and sch
   streamed ones are on their way out, and the update applies the coefficient; with clipping
   off a unit whose own gradient is not finite is skipped, as a shard skips it.
 
-The master reaches shared memory only when someone reads it there (``flush``: checkpoints,
-``state_dict``), and comes back from it after a checkpoint is loaded (``reload``). The
-moments are written to a checkpoint in the shards' format, by (unit, start, stop) with each
-range's Adam step, so a checkpoint written with one placement resumes with any other.
+A resident unit has no state in host memory at all: its regions of the shared files are never
+written (the files stay sparse there), the worker initializes its master from the same
+source as the store would (the seed's generator for the unit, or the Hugging Face files),
+and writes it and the moments to a checkpoint itself, in the store's and the shards' format
+(by unit and range, each moment range with its Adam step), so a checkpoint written with one
+placement resumes with any other.
 """
 from __future__ import annotations
 
@@ -27,18 +29,20 @@ from pathlib import Path
 import torch
 
 from megaray.adamw import AdamW, hyper, rounding_key
-from megaray.buffers import DTYPES, Handles, RunBuffers
+from megaray.buffers import DTYPES, Handles
 from megaray.checkpoint import Checkpoint, PartWriter
 from megaray.config import RunConfig
+from megaray.hf.read import load_into
 from megaray.layout import cut_pieces
+from megaray.model import init_unit
 from megaray.schedule import lr_at
 
 from .device import Device
 
 
 class ResidentUnits:
-    def __init__(self, cfg: RunConfig, h: Handles, dev: Device, buf: RunBuffers):
-        self.cfg, self.h, self.dev, self.buf = cfg, h, dev, buf
+    def __init__(self, cfg: RunConfig, h: Handles, dev: Device):
+        self.cfg, self.h, self.dev = cfg, h, dev
         o = cfg.optim
         self.units = h.resident
         self.dtype = DTYPES[cfg.train.compute_dtype]
@@ -49,17 +53,15 @@ class ResidentUnits:
         # the pieces a shard would update, so that the arithmetic is the shards' to the bit
         self.pieces = {u: cut_pieces([h.units[u]], o.slab_numel) for u in self.units}
         self.steps = {(u, p.start): 0 for u in self.units for p in self.pieces[u]}
+        # on CUDA the fused AdamW reads each piece's step from the device: counted there too,
+        # so that no update waits for a host-to-device copy
+        self.device_steps = ({k: torch.zeros((), dtype=torch.float32, device=dev.device) for k in self.steps}
+                             if dev.cuda else {})
         self.adam = AdamW(cfg.worker.threads)
-        self.reload()
+        self._initialize()
 
     def __contains__(self, u: int) -> bool:
         return u in self.master
-
-    def __len__(self) -> int:
-        return len(self.units)
-
-    def numel(self) -> int:
-        return sum(t.numel() for t in self.master.values())
 
     def close(self) -> None:
         self.adam.close()
@@ -110,63 +112,77 @@ class ResidentUnits:
             g = g * scale
         groups: dict[float, list] = {}
         for p in self.pieces[u]:
-            key = (u, p.start)
-            self.steps[key] += 1
-            groups.setdefault(self._decay(p), []).append((p, self.steps[key]))
-        for decay, items in groups.items():
-            sl = [slice(p.start, p.stop) for p, _ in items]
+            self.steps[(u, p.start)] += 1
+            groups.setdefault(self._decay(p), []).append(p)
+        for decay, ps in groups.items():
+            sl = [slice(p.start, p.stop) for p in ps]
+            steps = [self.device_steps[(u, p.start)] for p in ps]
+            torch._foreach_add_(steps, 1.0)
             torch._fused_adamw_([self.master[u][s] for s in sl], [g[s] for s in sl], [self.m[u][s] for s in sl],
-                                [self.v[u][s] for s in sl], [],
-                                [torch.tensor(float(t), device=self.dev.device) for _, t in items],
-                                lr=lr, beta1=o.betas[0], beta2=o.betas[1], weight_decay=decay, eps=o.eps,
-                                amsgrad=False, maximize=False)
+                                [self.v[u][s] for s in sl], [], steps, lr=lr, beta1=o.betas[0], beta2=o.betas[1],
+                                weight_decay=decay, eps=o.eps, amsgrad=False, maximize=False)
 
-    # ------------------------------------------------------------------ shared memory, checkpoints
-    def flush(self) -> None:
-        """The resident masters into their shared-memory regions (for readers there)."""
+    # ------------------------------------------------------------------ weights, checkpoints
+    def _initialize(self) -> None:
+        """The resident masters as the store would have made them: from the Hugging Face
+        directory (``model.from``), else each unit from its own seeded generator."""
+        units, m = self.h.units, self.cfg.model
+        if m.from_path:
+            host = {u: torch.empty(units[u].numel, dtype=torch.float32) for u in self.units}
+            load_into(units, host.__getitem__, m.from_path, only=set(self.units))
+        else:
+            host = {u: init_unit(units[u], m, self.cfg.run.seed) for u in self.units}
         for u in self.units:
-            self.buf.master(u).copy_(self.master[u])
-            if not self.h.aliased:
-                self.buf.compute(u).copy_(self.compute[u])
-
-    def reload(self) -> None:
-        """The resident masters from shared memory (at start, and after a checkpoint is loaded)."""
-        for u in self.units:
-            self.master[u].copy_(self.buf.master(u))
+            self.master[u].copy_(host.pop(u))
             self.compute[u].copy_(self.master[u])
 
+    def masters(self) -> dict[int, torch.Tensor]:
+        """The resident masters, on the CPU (``state_dict``)."""
+        return {u: self.master[u].cpu().clone() for u in self.units}
+
     def save(self, folder: str) -> dict:
-        """Write the resident moments as ``resident.bin``, in the shards' format."""
+        """Write the resident masters and moments as ``resident.bin``, in the store's and the
+        shards' formats."""
         name = "resident.bin"
         w = PartWriter(Path(folder) / name)
         try:
-            entries = []
+            masters, moments = [], []
             for u in self.units:
+                masters.append([u, 0, self.h.units[u].numel, w.write(self.master[u].cpu())])
                 for p in self.pieces[u]:
                     at = w.write(self.m[u][p.start:p.stop].cpu())
                     w.write(self.v[u][p.start:p.stop].cpu())
-                    entries.append([u, p.start, p.stop, self.steps[(u, p.start)], at])
-            return {name: {**w.finish(), "moments": entries}}
+                    moments.append([u, p.start, p.stop, self.steps[(u, p.start)], at])
+            return {name: {**w.finish(), "master": masters, "moments": moments}}
         except BaseException:
             w.abort()
             raise
 
     def load(self, folder: str) -> None:
-        """The moments of the resident pieces, from whichever parts hold their ranges (a
-        shard's, when the checkpoint was written with them streamed), and the masters from
-        shared memory (the store has loaded them)."""
+        """The resident masters and moments from whichever parts hold their ranges (the
+        store's and a shard's, when the checkpoint was written with them streamed)."""
         ck = Checkpoint(folder)
         for u in self.units:
+            master = torch.empty(self.h.units[u].numel, dtype=torch.float32)
+            ck.read_range("master", u, 0, master.numel(), [master])
+            self.master[u].copy_(master)
+            self.compute[u].copy_(self.master[u])
             for p in self.pieces[u]:
                 m = torch.empty(p.numel, dtype=torch.float32)
                 v = torch.empty(p.numel, dtype=torch.float32)
-                self.steps[(u, p.start)] = ck.read_range("moments", u, p.start, p.stop, [m, v])
+                key = (u, p.start)
+                self.steps[key] = ck.read_range("moments", u, p.start, p.stop, [m, v])
+                if key in self.device_steps:
+                    self.device_steps[key].fill_(float(self.steps[key]))
                 self.m[u][p.start:p.stop].copy_(m)
                 self.v[u][p.start:p.stop].copy_(v)
-        self.reload()
 
     def optimizer_state(self) -> dict:
         """Adam state by (unit, start) (tests)."""
-        return {k: {"step": t, "exp_avg": self.m[k[0]][k[1]:k[1] + p.numel].cpu().clone(),
-                    "exp_avg_sq": self.v[k[0]][k[1]:k[1] + p.numel].cpu().clone()}
-                for u in self.units for p in self.pieces[u] for k, t in [((u, p.start), self.steps[(u, p.start)])]}
+        out = {}
+        for u in self.units:
+            for p in self.pieces[u]:
+                out[(u, p.start)] = {"step": self.steps[(u, p.start)],
+                                     "exp_avg": self.m[u][p.start:p.stop].cpu().clone(),
+                                     "exp_avg_sq": self.v[u][p.start:p.stop].cpu().clone()}
+        return out

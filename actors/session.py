@@ -279,16 +279,17 @@ class TrainingSession:
     def state_dict(self) -> dict[str, np.ndarray]:
         """Master weights (as fp32) by Hugging Face name, after all pending updates.
 
-        Read straight from the shared master file (no copy through Ray's object store).
+        Read straight from the shared master file (no copy through Ray's object store), but
+        resident units' from the worker.
         """
         self.drain()
-        self._call(self.actors["worker"].flush_resident.remote(), "worker")
+        resident = self._call(self.actors["worker"].resident_masters.remote(), "worker")
         master = RunBuffers(self.handles, kinds=("master",))
         out = {}
         for u in self.handles.units:
-            flat = master.master(u.index)
+            flat = resident[u.index] if u.index in resident else master.master(u.index).float().numpy()
             for s in u.params:
-                out[s.name] = flat[s.offset:s.offset + s.numel].view(s.shape).float().numpy().copy()
+                out[s.name] = flat[s.offset:s.offset + s.numel].reshape(s.shape).copy()
         return out
 
     def gradients(self) -> dict[str, np.ndarray]:
@@ -315,11 +316,9 @@ class TrainingSession:
 
     def save_parts(self, folder: str) -> dict:
         """Every store and shard (and the worker, for resident units) writes its own part of a
-        checkpoint, in parallel, once the resident masters are in shared memory."""
+        checkpoint, in parallel."""
         self.drain()
-        worker = self.actors["worker"]
-        self._call(worker.flush_resident.remote(), "worker")
-        refs = ([self.actors["store"].save.remote(folder), worker.save_resident.remote(folder)]
+        refs = ([self.actors["store"].save.remote(folder), self.actors["worker"].save_resident.remote(folder)]
                 + [a.save.remote(folder, k) for k, a in self._shards()])
         parts: dict = {}
         for p in self._call(refs, "checkpoint"):
@@ -327,11 +326,11 @@ class TrainingSession:
         return parts
 
     def load(self, folder: str, counters: dict) -> None:
-        """The store and every shard read their state from a checkpoint, in parallel; then the
-        worker its resident units' (their masters from the store's shared memory)."""
-        refs = [self.actors["store"].load.remote(folder)] + [a.load.remote(folder) for _, a in self._shards()]
+        """The store, every shard and the worker (resident units) read their state from a
+        checkpoint, in parallel."""
+        refs = ([self.actors["store"].load.remote(folder), self.actors["worker"].load_resident.remote(folder)]
+                + [a.load.remote(folder) for _, a in self._shards()])
         self._call(refs, "checkpoint")
-        self._call(self.actors["worker"].load_resident.remote(folder), "checkpoint")
         ray.get(self.actors["scheduler"].set_counters.remote(counters))
 
     def counters(self) -> dict:

@@ -39,8 +39,9 @@ class GradientShipper:
         self.cfg, self.h, self.dev, self.buf, self.relay = cfg, h, dev, buf, relay
         self.host = h.grad_placement == "host"
         if buf is not None:
-            home = "grads" if self.host else "ring"
-            dev.pin(buf.files[home].bytes, "the host gradient buffer" if self.host else "the gradient ring")
+            regions = buf.streamed_regions("grads") if self.host else [buf.files["ring"].bytes]
+            for region in regions:
+                dev.pin(region, "the host gradient buffer" if self.host else "the gradient ring")
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="copy-out")
         self._futures: list[Future] = []            # gradients leaving (the previous step's, or this one's units)
         self._stats: list[dict] = []                # copy-out statistics of finished steps

@@ -36,7 +36,8 @@ class SharedSource:
 
     def __init__(self, cfg: RunConfig, h: Handles, buf: RunBuffers, dev: Device):
         self.cfg, self.h, self.buf = cfg, h, buf
-        dev.pin(buf.files["master" if h.aliased else "compute"].bytes, "the weights")
+        for region in buf.streamed_regions("master" if h.aliased else "compute"):
+            dev.pin(region, "the weights")
 
     def parts(self, u: int, step: int):
         """(source tensor, [(piece, start, stop), ...], seconds waited so far)."""

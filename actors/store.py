@@ -32,12 +32,13 @@ class ParameterStore:
         self.h = Handles.for_config(cfg, run_id, owner_pid, units)
         self.buf = RunBuffers(self.h, create=True)
         t0 = time.perf_counter()
+        # streamed units only: a resident unit's state is the worker's, from the same source
         if cfg.model.from_path:
             # Tensor by tensor from memory-mapped safetensors: never the whole model twice.
-            self.load_report = load_into(units, self.buf.master, cfg.model.from_path)
+            self.load_report = load_into(units, self.buf.master, cfg.model.from_path, only=set(self.h.streamed))
         else:
-            for u in units:
-                self.buf.master(u.index).copy_(init_unit(u, cfg.model, cfg.run.seed))
+            for u in self.h.streamed:
+                self.buf.master(u).copy_(init_unit(units[u], cfg.model, cfg.run.seed))
             self.load_report = {"initialized_from_seed": cfg.run.seed}
         self._sync_compute()
         self.load_report.update(seconds=time.perf_counter() - t0,
@@ -55,32 +56,33 @@ class ParameterStore:
 
     def _sync_compute(self) -> None:
         if not self.h.aliased:
-            for u in self.h.units:
-                self.buf.compute(u.index).copy_(self.buf.master(u.index))
+            for u in self.h.streamed:
+                self.buf.compute(u).copy_(self.buf.master(u))
 
     def handles(self) -> Handles:
         return self.h
 
     def save(self, folder: str) -> dict:
-        """Write every unit's master weights, unit after unit, as ``master.bin``."""
+        """Write every streamed unit's master weights, unit after unit, as ``master.bin`` (the
+        worker writes the resident units')."""
         w = PartWriter(Path(folder) / "master.bin")
         try:
-            entries = [[u.index, 0, u.numel, w.write(self.buf.master(u.index))] for u in self.h.units]
+            entries = [[u, 0, self.h.units[u].numel, w.write(self.buf.master(u))] for u in self.h.streamed]
             return {"master.bin": {**w.finish(), "master": entries}}
         except BaseException:
             w.abort()
             raise
 
     def load(self, folder: str) -> None:
-        """Read every unit's master weights (verifying each block), refresh the compute copy,
-        and mark every piece as updated through the checkpoint's step."""
+        """Read every streamed unit's master weights (verifying each block), refresh the
+        compute copy, and mark every piece as updated through the checkpoint's step."""
         ck = Checkpoint(folder)
         stored = ck.manifest.get("master_dtype")
         if stored != self.h.master_dtype:
             raise CheckpointError(f"{folder}: the checkpoint holds {stored} master weights, this run keeps "
                                   f"{self.h.master_dtype} (optim.master_dtype must match the checkpoint's)")
-        for u in self.h.units:
-            ck.read_range("master", u.index, 0, u.numel, [self.buf.master(u.index)])
+        for u in self.h.streamed:
+            ck.read_range("master", u, 0, self.h.units[u].numel, [self.buf.master(u)])
         self._sync_compute()
         self.buf.control.reset(ck.step)
 

@@ -66,7 +66,7 @@ class GpuWorker:
         self.group = DataParallelGroup(rank, world, self.dev, cfg.worker.wait_timeout_s)
         self.buf = None if relay is not None else RunBuffers(handles, kinds=("master", "compute", "ring", "control"))
         source = RelaySource(relay, self.dev) if relay is not None else SharedSource(cfg, handles, self.buf, self.dev)
-        self.resident = ResidentUnits(cfg, handles, self.dev, self.buf) if handles.resident else None
+        self.resident = ResidentUnits(cfg, handles, self.dev) if handles.resident else None
         self.slots = WeightSlots(cfg, handles, self.dev, source, self.resident)
         dtype = DTYPES[cfg.train.compute_dtype]
         self.acts = ActivationPolicy(cfg, self.dev, self.units[1].numel if self.L else 0, dtype,
@@ -353,17 +353,16 @@ class GpuWorker:
         return toks[..., :-1], targets
 
     # ------------------------------------------------------------------ outside training steps
-    def flush_resident(self) -> None:
-        """The resident units' masters into shared memory (before anyone reads them there)."""
-        if self.resident is not None:
-            self.resident.flush()
+    def resident_masters(self) -> dict[int, np.ndarray]:
+        """The resident units' fp32 masters by unit (none without resident units)."""
+        return {u: t.numpy() for u, t in self.resident.masters().items()} if self.resident is not None else {}
 
     def save_resident(self, folder: str) -> dict:
-        """The resident units' moments as a checkpoint part (none without resident units)."""
+        """The resident units' masters and moments as a checkpoint part (none without resident units)."""
         return self.resident.save(folder) if self.resident is not None else {}
 
     def load_resident(self, folder: str) -> None:
-        """After the store has loaded the masters: the resident units' state from a checkpoint."""
+        """The resident units' state from a checkpoint."""
         if self.resident is not None:
             self.resident.load(folder)
 
@@ -378,7 +377,8 @@ class GpuWorker:
         device->host as a step sends it (slab-sized pieces into the gradient ring, or whole
         units into the host gradient buffer, rounded to ``optim.grad_dtype``). Benchmarks;
         call between steps."""
-        units = [u for u in self.units if u.kind == "block"] or list(self.units)
+        units = ([self.units[u] for u in self.h.streamed if self.units[u].kind == "block"]
+                 or [self.units[u] for u in self.h.streamed])
         dst = self.slots.slots["block0"]
 
         def timed(fn) -> float:

@@ -20,7 +20,6 @@ the pinned link, and the AdamW rates summed over 16 processes divided by 16.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from megaray import memory
@@ -88,29 +87,6 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
     return {"compute_s": compute, "copy_in_s": copy_in, "copy_out_s": copy_out, "updates_s": updates,
             "wait_updates_s": wait, "resident_updates_s": resident_s,
             "step_s": max(compute + wait, copy_in, copy_out) + first}
-
-
-def choose_placement(cfg: RunConfig, speeds: Speeds, budget_bytes: int, cast_slab_bytes: int) -> list[dict]:
-    """Every resident block count that fits the GPU budget (with the inputs the worker would
-    offload and the blocks it would keep), each with its predicted step; the first row is
-    the all-host placement (0), the best is the fastest (the fewest blocks among equals)."""
-    rows = []
-    for res in range(cfg.model.num_hidden_layers + 1):
-        c = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement=res))
-        offload = memory.offload_count(c, budget_bytes, cast_slab_bytes=cast_slab_bytes)
-        keep = memory.keep_count(c, budget_bytes, offload, cast_slab_bytes)
-        need = memory.gpu_total(c, keep, offload, cast_slab_bytes)
-        if need > budget_bytes:
-            break                                   # more resident blocks need more memory
-        rows.append({"resident": res, "keep": keep, "offload": offload, "gpu_bytes": need,
-                     **predict(c, speeds, keep)})
-    return rows
-
-
-def best(rows: list[dict]) -> dict:
-    """The fastest placement; among those within 0.5% of it, the fewest resident blocks."""
-    fastest = min(r["step_s"] for r in rows)
-    return next(r for r in rows if r["step_s"] <= fastest * 1.005)
 
 
 def kept_blocks(cfg: RunConfig, budget_bytes: int, offload: int, cast_slab_bytes: int) -> int:

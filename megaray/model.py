@@ -322,8 +322,9 @@ def head_loss_and_grads(w_head: dict, w_embed: dict | None, x: torch.Tensor, tar
     with respect to ``inputs`` (leaves the chunk's graph was built from).
 
     The logits' gradient, ``scale`` x (softmax - one-hot target), zero for IGNORE_INDEX, is
-    formed directly, ``LOSS_ROWS`` rows at a time in fp32 (fp64 for fp64 logits), into a tensor of the logits' dtype;
-    autograd takes it from there (the projection and the norm). Autograd's own log-softmax
+    formed directly, ``LOSS_ROWS`` rows at a time in fp32 (fp64 for fp64 logits), into a
+    tensor of the logits' dtype; autograd takes it from there (the projection and the norm).
+    Autograd's own log-softmax
     would hold three fp32 [N, V] tensors at its peak; this holds the logits, their gradient
     and two fp32 [LOSS_ROWS, V] blocks (``megaray.memory.loss_chunk_bytes``). Same math as
     ``head_loss_sum`` + backward, to fp32 rounding.

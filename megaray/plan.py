@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from megaray import memory
 from megaray.buffers import DTYPES, Handles
 from megaray.config import RunConfig
-from megaray.cost import Speeds, best, choose_placement
+from megaray.cost import Speeds, predict
 from megaray.errors import PlanError
 from megaray.layout import build_layout
 from megaray.memory import GiB
@@ -117,11 +117,11 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
     h = Handles.for_config(cfg, "plan", 0, units)
     p = Plan(params=m.num_params())
     o = cfg.optim
-    p.shm = {f"{_SHORT[o.master_dtype]} master weights": h.master_bytes}
+    p.shm = {f"{_SHORT[o.master_dtype]} master weights": h.held_bytes("master")}     # resident: on the GPU
     if not h.aliased:
-        p.shm[f"{t.compute_dtype} compute copy"] = h.compute_bytes
+        p.shm[f"{t.compute_dtype} compute copy"] = h.held_bytes("compute")
     if h.grad_placement == "host":
-        p.shm[f"gradients waiting for the norm ({_SHORT[h.grad_dtype]}, host)"] = h.grad_bytes
+        p.shm[f"gradients waiting for the norm ({_SHORT[h.grad_dtype]}, host)"] = h.held_bytes("grads")
     else:
         p.shm[f"gradient ring ({h.ring_slabs} x {h.slab_bytes / 2**20:g} MiB)"] = h.ring_bytes
     p.shm["control words"] = h.control_bytes
@@ -277,10 +277,38 @@ def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> R
     if cfg.optim.placement == "auto":
         res = 0
         if gpu is not None and can_be_resident(cfg):
-            rows = choose_placement(cfg, speeds or shard_speeds(cfg), gpu, cast_slab_bytes(cfg))
+            rows = choose_placement(cfg, speeds or shard_speeds(cfg), gpu, cast_slab_bytes(cfg), machine.host_bytes)
             res = best(rows)["resident"] if rows else 0
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement=res or "host"))
     return cfg
+
+
+def choose_placement(cfg: RunConfig, speeds: Speeds, budget_bytes: int, cast_slab_bytes: int,
+                     host_bytes: int | None = None) -> list[dict]:
+    """Every resident block count that fits the GPU budget (with the inputs the worker would
+    offload and the blocks it would keep) and, given ``host_bytes``, host memory (resident
+    blocks leave it: a model too big for the host alone may fit), each with its predicted
+    step, in order of N; the best is the fastest (the fewest blocks among equals)."""
+    rows = []
+    for res in range(cfg.model.num_hidden_layers + 1):
+        c = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement=res))
+        offload = memory.offload_count(c, budget_bytes, cast_slab_bytes=cast_slab_bytes)
+        keep = memory.keep_count(c, budget_bytes, offload, cast_slab_bytes)
+        need = memory.gpu_total(c, keep, offload, cast_slab_bytes)
+        if need > budget_bytes:
+            break                                   # more resident blocks need more GPU memory
+        host = plan(c, keep=keep, offload=offload).host_total
+        if host_bytes is not None and host > host_bytes:
+            continue                                # fewer resident blocks need more host memory
+        rows.append({"resident": res, "keep": keep, "offload": offload, "gpu_bytes": need, "host_bytes": host,
+                     **predict(c, speeds, keep)})
+    return rows
+
+
+def best(rows: list[dict]) -> dict:
+    """The fastest placement; among those within 0.5% of it, the fewest resident blocks."""
+    fastest = min(r["step_s"] for r in rows)
+    return next(r for r in rows if r["step_s"] <= fastest * 1.005)
 
 
 def can_be_resident(cfg: RunConfig) -> bool:

@@ -22,14 +22,16 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     a = p.parse_args(argv)
     import os
 
-    from megaray.cost import Speeds, best, choose_placement, kept_blocks, predict
+    from megaray.cost import Speeds, kept_blocks, predict
     from megaray.errors import ConfigError
     from megaray.loader import load_config
     from megaray.memory import GiB
     from megaray.plan import (
         Machine,
+        best,
         can_be_resident,
         cast_slab_bytes,
+        choose_placement,
         gpu_budget,
         largest_fit,
         plan_for,
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
               f"{t['updates_s']:.2f} on {speeds.cores} cores; keeping {keep} blocks' activations), "
               f"{cfg.train.tokens_per_step / t['step_s']:.0f} tokens/s")
         if can_be_resident(cfg):
-            print_placements(choose_placement(cfg, speeds, gpu, cast_slab_bytes(cfg)), best)
+            print_placements(choose_placement(cfg, speeds, gpu, cast_slab_bytes(cfg), machine.host_bytes), best)
         mb, seq = largest_fit(cfg, machine)
         print(f"largest micro_batch_size at seq_len {cfg.train.seq_len}: {mb}; "
               f"largest seq_len at micro_batch_size {cfg.train.micro_batch_size}: {seq}")
@@ -91,22 +93,24 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
 
 
 def print_placements(rows: list[dict], best) -> None:
-    """What resident blocks buy: a few placements that fit, with their GPU need and
-    predicted step, and the seconds each saves per GiB of GPU memory over all-host."""
-    if len(rows) < 2:
-        print("placements: no resident block fits beside the step (optim.placement host)")
+    """What resident blocks buy: a few placements that fit the GPU and host memory, with
+    their GPU need and predicted step, and the seconds each saves per GiB of GPU memory over
+    the fewest resident blocks that fit (all-host, where that fits)."""
+    if not rows:
+        print("placements: none fits both the GPU and host memory")
         return
-    pick = best(rows)["resident"]
-    n = len(rows) - 1
-    show = sorted({0, pick, n, n // 4, n // 2, 3 * n // 4})
-    host = rows[0]
-    print("placements (optim.placement N: the first N blocks resident):")
+    pick, first = best(rows)["resident"], rows[0]
+    show = sorted({0, len(rows) - 1, len(rows) // 4, len(rows) // 2, 3 * len(rows) // 4,
+                   next(i for i, r in enumerate(rows) if r["resident"] == pick)})
+    print("placements (optim.placement N: the first N blocks resident; host memory allows N >= "
+          f"{first['resident']}):")
     for r in (rows[k] for k in show):
-        extra = (r["gpu_bytes"] - host["gpu_bytes"]) / 2**30
-        per_gib = (host["step_s"] - r["step_s"]) / extra if extra > 0 else 0.0
+        extra = (r["gpu_bytes"] - first["gpu_bytes"]) / 2**30
+        per_gib = (first["step_s"] - r["step_s"]) / extra if extra > 0 else 0.0
         mark = "  <- auto" if r["resident"] == pick else ""
-        print(f"  {r['resident']:4d}: GPU {r['gpu_bytes'] / 2**30:7.2f} GiB, step {r['step_s']:7.3f} s "
-              f"(waiting for updates {r['wait_updates_s']:.3f}), saves {per_gib:.3f} s per GiB{mark}")
+        print(f"  {r['resident']:4d}: GPU {r['gpu_bytes'] / 2**30:7.2f} GiB, host {r['host_bytes'] / 2**30:7.2f} GiB, "
+              f"step {r['step_s']:7.3f} s (waiting for updates {r['wait_updates_s']:.3f}), "
+              f"saves {per_gib:.3f} s per GiB{mark}")
 
 
 if __name__ == "__main__":

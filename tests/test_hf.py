@@ -188,3 +188,18 @@ def test_model_tokenizer_feeds_the_data(ray_cluster, tmp_path):
     out = tmp_path / "export"
     export_checkpoint(s["checkpoint"], out)
     assert (out / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()
+
+
+def test_resident_blocks_load_from_the_model_directory(ray_cluster, tmp_path):
+    """The worker reads its resident blocks from the model directory itself (the store only
+    the streamed units): the weights are the model's, as with every block streamed."""
+    path, ref = make_hf(tmp_path, "qwen2")
+    cfg = _cfg(path)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement=2))
+    with TrainingSession(cfg) as s:
+        assert s.handles.resident == (1, 2)
+        state = s.state_dict()
+    want = ref.state_dict()
+    assert set(state) <= set(want)
+    for k, v in state.items():
+        np.testing.assert_array_equal(v, want[k].numpy(), err_msg=k)

@@ -10,19 +10,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import ray
+import torch
+from safetensors.torch import load_file
 
 from megaray.actors.session import TrainingSession
 from megaray.checkpoint import Checkpoint
-from megaray.cost import ADAMW_PER_CORE, Speeds, choose_placement, predict
-from megaray.errors import ConfigError
+from megaray.cost import ADAMW_PER_CORE, Speeds, predict
+from megaray.errors import ConfigError, PlanError
+from megaray.hf.export import export_checkpoint
+from megaray.layout import align, build_layout
 from megaray.loader import load_config
 from megaray.memory import GiB
-from megaray.plan import Machine, cast_slab_bytes, gpu_budget, plan, resolve
+from megaray.plan import Machine, cast_slab_bytes, check, choose_placement, gpu_budget, plan, resolve
 from megaray.runner import train
 
 BASE = ["train.grad_accum=2", "train.steps=4", "optim.num_shards=2", "optim.grad_slab_mib=0.01",
@@ -98,8 +103,24 @@ def test_a_checkpoint_resumes_with_another_placement(ray_cluster, tmp_path, befo
     assert s["first_step"] == 3
     want = _losses(ref)
     assert _losses(s) == {k: want[k] for k in (4, 5, 6)}
-    final = Path(s["checkpoint"])
-    assert (final / "master.bin").read_bytes() == (Path(ref["checkpoint"]) / "master.bin").read_bytes()
+    got, want = _masters(s["checkpoint"]), _masters(ref["checkpoint"])    # from whichever parts hold them
+    for u in want:
+        assert torch.equal(got[u], want[u]), u
+    # and the export of the resumed run is the reference run's export
+    a, _ = export_checkpoint(s["checkpoint"], tmp_path / "hf-got")
+    b, _ = export_checkpoint(ref["checkpoint"], tmp_path / "hf-want")
+    got_t = {k: v for f in sorted(a.glob("*.safetensors")) for k, v in load_file(f).items()}
+    want_t = {k: v for f in sorted(b.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert got_t.keys() == want_t.keys() and all(torch.equal(got_t[k], want_t[k]) for k in want_t)
+
+
+def _masters(path) -> dict[int, torch.Tensor]:
+    ck = Checkpoint(path)
+    out = {}
+    for u in build_layout(load_config("debug", []).model):
+        out[u.index] = torch.empty(u.numel)
+        ck.read_range("master", u.index, 0, u.numel, [out[u.index]])
+    return out
 
 
 def test_placement_is_checked_with_the_key_named():
@@ -114,17 +135,26 @@ def test_placement_is_checked_with_the_key_named():
 
 
 def test_the_plan_moves_resident_state_from_host_to_gpu():
-    """Two of llama1b's 16 blocks resident: 8 bytes a parameter of moments leave the host;
-    the GPU gains 4 + 8 + 2 bytes a parameter (master, moments, bf16 copy), 4 more for their
-    gradients when gradients wait in host memory."""
-    over = ["model.shape=llama1b", "train.seq_len=2048", "train.compute_dtype=bfloat16", "optim.num_shards=4"]
-    host = plan(load_config("debug", over))
-    for gp, per_param in (("device", 14), ("host", 18)):
+    """Two of llama1b's 16 blocks resident: their moments, master and bf16 copy leave host
+    memory (8 + 4 + 2 bytes a parameter, the shared regions page-aligned; the regions stay
+    in the files, never written); the GPU gains 4 + 8 + 2 bytes a parameter, 4 more for their
+    gradients when gradients wait in host memory (whose host regions they do not use)."""
+    over = ["model.shape=llama1b", "train.seq_len=2048", "train.compute_dtype=bfloat16", "optim.num_shards=4",
+            "optim.compute_copy=host"]
+    block = 2 * 2048 + 2048 * 2048 * 2 + 2 * 2048 * 512 + 3 * 2048 * 8192     # llama1b: 32/8 heads of 64
+    for gp, per_param, grads in (("device", 14, 0), ("host", 18, 4)):
+        host = plan(load_config("debug", [*over, f"optim.grad_placement={gp}"]))
         res = plan(load_config("debug", [*over, "optim.placement=2", f"optim.grad_placement={gp}"]))
-        block = 2 * 2048 + 2048 * 2048 * 2 + 2 * 2048 * 512 + 3 * 2048 * 8192     # llama1b: 32/8 heads of 64
         assert res.gpu["resident blocks (2: master, moments, copy)"] == 2 * block * per_param
-    moments = "adam moments (fp32)"
-    assert host.host_private[moments] - res.host_private[moments] == 8 * 2 * block
+        assert host.host_private["adam moments (fp32)"] - res.host_private["adam moments (fp32)"] == 2 * 8 * block
+        assert host.shm["fp32 master weights"] - res.shm["fp32 master weights"] == 2 * align(4 * block)
+        assert host.shm["bfloat16 compute copy"] - res.shm["bfloat16 compute copy"] == 2 * align(2 * block)
+        saved = 2 * (8 * block + align(4 * block) + align(2 * block) + (align(grads * block) if grads else 0))
+        def total(p):     # less the control words (the resident blocks' pieces have none)
+            return p.host_total - p.shm["control words"]
+
+        assert total(host) - total(res) == saved
+        assert res.shm["control words"] < host.shm["control words"]
 
 
 def test_the_forward_waits_for_each_streamed_update():
@@ -165,3 +195,31 @@ def test_auto_placement_is_the_fastest_that_fits():
     assert resolve(cfg, Machine(10**15, 10**15, None)).optim.placement == "host"
     bf16 = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, moment_dtype="bfloat16"))
     assert resolve(bf16, big).optim.placement == "host"
+
+
+def test_resident_blocks_take_no_host_memory(ray_cluster):
+    """A resident block's regions of the shared files are never written: the files stay
+    sparse there (tmpfs allocates only the streamed units' pages)."""
+    cfg = load_config("debug", [*BASE, "optim.placement=2", "optim.grad_placement=host"])
+    rng = np.random.default_rng(0)
+    with TrainingSession(cfg) as s:
+        for i in range(2):
+            s.train_step(i, rng.integers(0, 256, (2, 2, 33)))
+        h = s.handles
+        for kind, size in (("master", h.master_bytes), ("grads", h.grad_bytes)):
+            allocated = os.stat(h.path(kind)).st_blocks * 512
+            assert allocated == h.held_bytes(kind) < size, kind
+
+
+def test_a_14b_model_with_fp32_state_fits_one_h200_through_resident_blocks():
+    """qwen14b with fp32 master and moments (177 GB of training state) does not fit 120 GiB
+    of host memory streamed; auto finds the resident blocks that make it fit with the GPU."""
+    cfg = load_config("qwen14b", [])                    # configs/qwen14b.yaml: optim.placement auto
+    machine = Machine(120 * GiB, 120 * GiB, 139 * GiB)
+    assert 12 * cfg.model.num_params() > 120 * GiB               # fp32 master and moments alone: 177 GB
+    with pytest.raises(PlanError, match="host memory: needs"):
+        check(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement="host")), machine)
+    p = check(resolve(cfg, machine), machine)
+    n = resolve(cfg, machine).optim.placement
+    assert isinstance(n, int) and 0 < n < 48
+    assert p.host_total <= 120 * GiB and p.gpu_total <= gpu_budget(cfg, machine)

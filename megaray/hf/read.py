@@ -149,13 +149,14 @@ def verify_source(units, path: str | os.PathLike) -> SafetensorsSource:
     return src
 
 
-def load_into(units, master_view, path: str | os.PathLike) -> dict:
-    """Copy every tensor of a model directory into the fp32 master regions, upcasting.
+def load_into(units, master_view, path: str | os.PathLike, only=None) -> dict:
+    """Copy every tensor of a model directory into the fp32 master regions, upcasting (only
+    the units whose indices are in ``only``, when given; the whole directory is checked).
 
     ``master_view(u)`` returns unit u's flat fp32 tensor. Returns a small report.
     """
     src = verify_source(units, path)
-    wanted = {s.name: (u, s) for u in units for s in u.params}
+    wanted = {s.name: (u, s) for u in units for s in u.params if only is None or u.index in only}
     dtypes, nbytes = set(), 0
     for name, (u, s) in wanted.items():
         t = src.get(name)

@@ -172,9 +172,9 @@ def savings(cfg: RunConfig) -> list[tuple[str, int, float]]:
 
 def remedies(cfg: RunConfig, machine: Machine) -> list[str]:
     """Single overrides, each of which alone makes a run that does not fit ``machine`` fit
-    (tried in this order): gradients to host memory and in bf16, bf16 moments or master, the
-    largest loss chunk that fits (a multiple of 256), the largest micro-batch that fits with
-    the same tokens per step."""
+    (tried in this order): gradients to host memory and in bf16, bf16 moments or master,
+    resident blocks (their state leaves host memory), the largest loss chunk that fits (a
+    multiple of 256), the largest micro-batch that fits with the same tokens per step."""
     def fits(c: RunConfig) -> bool:
         return not shortfalls(plan_for(c, machine), machine)
 
@@ -192,6 +192,10 @@ def remedies(cfg: RunConfig, machine: Machine) -> list[str]:
         out.append("optim.moment_dtype=bfloat16")
     if o.master_dtype == "float32" and t.compute_dtype == "bfloat16" and fits(with_("optim", master_dtype="bfloat16")):
         out.append("optim.master_dtype=bfloat16")
+    if o.placement == "host" and can_be_resident(cfg) and machine.gpu_bytes is not None:
+        n = resolve(with_("optim", placement="auto"), machine).optim.placement
+        if n != "host" and fits(with_("optim", placement=n)):
+            out.append(f"optim.placement=auto (the first {n} blocks resident)")
     chunk = min(t.loss_chunk_tokens, t.micro_batch_size * t.seq_len)
     k = memory._largest(lambda k: fits(with_("train", loss_chunk_tokens=256 * k)), 1, chunk // 256 - 1)
     if k >= 1:
@@ -263,7 +267,7 @@ def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> R
     """The config with its 'auto' choices decided for ``machine``: ``optim.grad_placement``
     (the device when the step fits its GPU that way, offloading inputs if it must, else host
     memory), then ``optim.placement`` (the cost model's fastest number of resident blocks
-    within the GPU budget, ``megaray.cost.choose_placement``; host without a GPU, or where
+    within the GPU budget and host memory, ``choose_placement``; host without a GPU, or where
     resident blocks cannot be: bf16 state, several workers, a remote worker)."""
     gpu = gpu_budget(cfg, machine)
     o = cfg.optim

@@ -217,8 +217,9 @@ def test_a_14b_model_with_fp32_state_fits_one_h200_through_resident_blocks():
     cfg = load_config("qwen14b", [])                    # configs/qwen14b.yaml: optim.placement auto
     machine = Machine(120 * GiB, 120 * GiB, 139 * GiB)
     assert 12 * cfg.model.num_params() > 120 * GiB               # fp32 master and moments alone: 177 GB
-    with pytest.raises(PlanError, match="host memory: needs"):
+    with pytest.raises(PlanError, match="host memory: needs") as e:
         check(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement="host")), machine)
+    assert "optim.placement=auto (the first" in str(e.value)      # the refusal names the way out
     p = check(resolve(cfg, machine), machine)
     n = resolve(cfg, machine).optim.placement
     assert isinstance(n, int) and 0 < n < 48

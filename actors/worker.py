@@ -78,8 +78,10 @@ class GpuWorker:
         """What the Ray dashboard's Actors view shows (Ray reads it once, when the actor starts)."""
         if not hasattr(self, "group"):                 # __init__ failed: Ray still asks, to report it
             return f"GpuWorker({self.name!r}, not started)"
+        res = len(self.h.resident)
         return (f"GpuWorker(rank {self.group.rank} of {self.group.world} on {self.dev.device}, "
-                f"{self.L} blocks of {self.units[1].numel / 1e6 if self.L else 0:.1f}M params streamed)")
+                f"{self.L - res} blocks of {self.units[1].numel / 1e6 if self.L else 0:.1f}M params streamed"
+                + (f", {res} resident)" if res else ")"))
 
     def close(self) -> None:
         """End the copy threads (the session calls this before the actor exits)."""

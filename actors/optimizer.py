@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from megaray.adamw import AdamW, hyper, rounding_key
+from megaray.adamw import AdamW, update_piece
 from megaray.buffers import DTYPES, Handles, RunBuffers
 from megaray.checkpoint import Checkpoint, PartWriter
 from megaray.config import RunConfig
@@ -49,13 +49,11 @@ class OptimizerShard:
         self.m: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.steps: dict[int, int] = {}             # Adam steps applied to each piece
-        self.decay: dict[int, float] = {}
         for i in self.pieces:
             piece = handles.pieces[i]
             self.m[i] = torch.zeros(piece.numel, dtype=self.moment_dtype)
             self.v[i] = torch.zeros(piece.numel, dtype=self.moment_dtype)
             self.steps[i] = 0
-            self.decay[i] = o.weight_decay if piece.decay or o.decay_norms_and_biases else 0.0
         self.metrics = RunMetrics(handles.run_id, name.rsplit(":", 1)[-1], SHARD_GAUGES)
 
     def __repr__(self) -> str:
@@ -123,13 +121,11 @@ class OptimizerShard:
         return out
 
     def _update(self, i: int, grad: torch.Tensor, lr: float, coef: float) -> None:
-        o, piece = self.cfg.optim, self.h.pieces[i]
+        piece = self.h.pieces[i]
         self.steps[i] += 1
-        t = self.steps[i]
         copy = None if self.h.aliased else self.buf.piece_compute(piece)
-        self.adam.step(self.buf.piece_master(piece), grad, self.m[i], self.v[i],
-                       hyper(lr, tuple(o.betas), o.eps, self.decay[i], t, grad_scale=coef), copy,
-                       rounding_key(self.cfg.run.seed, piece.unit, t), piece.start, t)
+        update_piece(self.adam, self.cfg.optim, self.cfg.run.seed, piece, self.buf.piece_master(piece), grad,
+                     self.m[i], self.v[i], lr, self.steps[i], coef, copy)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, folder: str, k: int) -> dict:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from megaray.adamw import AdamW, hyper, rounding_key
+from megaray.adamw import AdamW, piece_decay, update_piece
 from megaray.buffers import DTYPES, Handles
 from megaray.checkpoint import Checkpoint, PartWriter
 from megaray.config import RunConfig
@@ -89,20 +89,12 @@ class ResidentUnits:
             self.compute[u].copy_(self.master[u])
             grads[u] = None
 
-    def _decay(self, p) -> float:
-        o = self.cfg.optim
-        return o.weight_decay if p.decay or o.decay_norms_and_biases else 0.0
-
     def _update_pieces(self, u: int, g: torch.Tensor, lr: float, scale: float) -> None:
-        o = self.cfg.optim
         for p in self.pieces[u]:
-            key = (u, p.start)
-            self.steps[key] += 1
-            t = self.steps[key]
+            self.steps[(u, p.start)] += 1
             sl = slice(p.start, p.stop)
-            self.adam.step(self.master[u][sl], g[sl], self.m[u][sl], self.v[u][sl],
-                           hyper(lr, tuple(o.betas), o.eps, self._decay(p), t, grad_scale=scale), None,
-                           rounding_key(self.cfg.run.seed, u, t), p.start, t)
+            update_piece(self.adam, self.cfg.optim, self.cfg.run.seed, p, self.master[u][sl], g[sl],
+                         self.m[u][sl], self.v[u][sl], lr, self.steps[(u, p.start)], scale)
 
     def _update_cuda(self, u: int, g: torch.Tensor, lr: float, scale: float) -> None:
         """The unit's pieces in one multi-tensor fused AdamW call per weight-decay group."""
@@ -113,7 +105,7 @@ class ResidentUnits:
         groups: dict[float, list] = {}
         for p in self.pieces[u]:
             self.steps[(u, p.start)] += 1
-            groups.setdefault(self._decay(p), []).append(p)
+            groups.setdefault(piece_decay(o, p), []).append(p)
         for decay, ps in groups.items():
             sl = [slice(p.start, p.stop) for p in ps]
             steps = [self.device_steps[(u, p.start)] for p in ps]

@@ -79,6 +79,7 @@ class WeightSlots:
     def __init__(self, cfg: RunConfig, h: Handles, dev: Device, source, resident=None):
         self.cfg, self.h, self.dev, self.source = cfg, h, dev, source
         self.resident = resident           # resident units' compute copies stand in for slots
+        self.resident_units = frozenset(resident.units if resident is not None else ())
         self.units = h.units
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.train.compute_dtype]
         block_numel = self.units[1].numel if len(self.units) > 2 else 0
@@ -95,7 +96,7 @@ class WeightSlots:
         return f"block{(u - 1) % 2}" if kind == "block" else kind
 
     def flat(self, u: int) -> torch.Tensor:
-        if self.resident is not None and u in self.resident:
+        if u in self.resident_units:
             return self.resident.compute[u]
         return self.slots[self.slot_name(u)][: self.units[u].numel]
 
@@ -110,7 +111,7 @@ class WeightSlots:
         """Start bringing unit u's compute weights (as of step ``step``) into its slot (a
         resident unit's are on the device already: updated in order on the compute stream)."""
         slot = self.slot_name(u)
-        if self.holds.get(slot) == (u, step) or (self.resident is not None and u in self.resident):
+        if self.holds.get(slot) == (u, step) or u in self.resident_units:
             fut: Future = Future()
             fut.set_result(None)
             return fut
@@ -142,7 +143,7 @@ class WeightSlots:
 
     def release(self, u: int) -> None:
         """Compute issued so far has finished reading unit u's slot before it is refilled."""
-        if self.resident is not None and u in self.resident:
+        if u in self.resident_units:
             return
         ev = self.dev.event_after_compute()
         if ev is not None:

@@ -104,6 +104,22 @@ def rounding_key(seed: int, unit: int, step: int) -> int:
     return mix32(mix32(mix32(seed & _M32) ^ unit) ^ (step & _M32))
 
 
+def piece_decay(o, piece) -> float:
+    """A piece's weight decay (``optim``: matrices decayed; 1-D tensors only with
+    ``decay_norms_and_biases``)."""
+    return o.weight_decay if piece.decay or o.decay_norms_and_biases else 0.0
+
+
+def update_piece(adam: AdamW, o, seed: int, piece, master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor,
+                 v: torch.Tensor, lr: float, adam_step: int, grad_scale: float,
+                 copy: torch.Tensor | None = None) -> None:
+    """One piece's ``adam_step``-th update with ``optim``'s settings: the one call the shards
+    and the worker's resident units make, so both do the same arithmetic."""
+    adam.step(master, grad, m, v, hyper(lr, tuple(o.betas), o.eps, piece_decay(o, piece), adam_step,
+                                        grad_scale=grad_scale), copy,
+              rounding_key(seed, piece.unit, adam_step), piece.start, adam_step)
+
+
 # ----------------------------------------------------------------------------- the C kernel
 _lib = None
 _lib_lock = threading.Lock()

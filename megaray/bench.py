@@ -150,7 +150,6 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
                for _ in range(steps)]
     flops = flops_per_step(cfg.model, tokens_per_step, t.seq_len)
     out: dict = {"shape": cfg.model.shape, "params": cfg.model.num_params(), "seq_len": t.seq_len,
-                 "host_bytes_per_param": plan(cfg).host_bytes_per_param,
                  "tokens_per_step": tokens_per_step, "micro_batch": t.micro_batch_size, "grad_accum": t.grad_accum,
                  "shards": cfg.optim.num_shards, "threads_per_shard": cfg.optim.threads_per_shard}
     ms = []

@@ -17,8 +17,8 @@ from pathlib import Path
 from megaray.errors import ConfigError
 from megaray.model_config import ModelConfig
 
-__all__ = ["RunConfig", "ModelConfig", "RunSection", "DataConfig", "TrainConfig", "OptimConfig", "WorkerConfig",
-           "ClusterConfig", "CheckpointConfig", "DebugConfig"]
+__all__ = ["RunConfig", "replaced", "ModelConfig", "RunSection", "DataConfig", "TrainConfig", "OptimConfig",
+           "WorkerConfig", "ClusterConfig", "CheckpointConfig", "DebugConfig"]
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -434,3 +434,8 @@ class RunConfig:
         if self.checkpoint.dir:
             return Path(self.checkpoint.dir)
         return Path(self.run.dir) / "checkpoints" / self.run.name
+
+
+def replaced(cfg: RunConfig, section: str, **changes) -> RunConfig:
+    """``cfg`` with some keys of one section changed (and every check run again)."""
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megaray import memory
 from megaray.config import RunConfig
 from megaray.layout import build_layout
 from megaray.model import flops_per_step
@@ -87,9 +86,3 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
     return {"compute_s": compute, "copy_in_s": copy_in, "copy_out_s": copy_out, "updates_s": updates,
             "wait_updates_s": wait, "resident_updates_s": resident_s,
             "step_s": max(compute + wait, copy_in, copy_out) + first}
-
-
-def kept_blocks(cfg: RunConfig, budget_bytes: int, offload: int, cast_slab_bytes: int) -> int:
-    """The blocks the worker would keep within a GPU budget (``plan.gpu_budget``: the memory
-    model's choice)."""
-    return memory.keep_count(cfg, budget_bytes, offload, cast_slab_bytes)

@@ -22,13 +22,12 @@ whole report and the shortfall; ``megaray train`` calls it before starting any a
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass, field
 
 from megaray import memory
 from megaray.buffers import DTYPES, Handles
-from megaray.config import RunConfig
+from megaray.config import RunConfig, replaced
 from megaray.cost import Speeds, predict
 from megaray.errors import PlanError
 from megaray.layout import build_layout
@@ -153,7 +152,7 @@ def savings(cfg: RunConfig) -> list[tuple[str, int, float]]:
     def alt(name: str, **changes) -> tuple[str, int, float]:
         if "moment_dtype" in changes or "master_dtype" in changes:
             changes["placement"] = "host"            # bf16 state is never resident
-        q = plan(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, **changes)))
+        q = plan(replaced(cfg, "optim", **changes))
         return name, base.host_total - q.host_total, q.host_bytes_per_param
 
     out = []
@@ -179,7 +178,7 @@ def remedies(cfg: RunConfig, machine: Machine) -> list[str]:
         return not shortfalls(plan_for(c, machine), machine)
 
     def with_(section: str, **changes) -> RunConfig:
-        return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
+        return replaced(cfg, section, **changes)
 
     out = []
     o, t = cfg.optim, cfg.train
@@ -231,7 +230,7 @@ def largest_fit(cfg: RunConfig, machine: Machine) -> tuple[int, int]:
     gpu = gpu_budget(cfg, machine)
 
     def fits(mb, seq):         # as the run would be set up: its gradients' home and offloaded inputs decided
-        c = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=mb, seq_len=seq))
+        c = replaced(cfg, "train", micro_batch_size=mb, seq_len=seq)
         return plan_for(c, machine).gpu_total <= gpu
 
     mb = max(0, memory._largest(lambda k: fits(k, cfg.train.seq_len), 1, 4096))
@@ -274,16 +273,16 @@ def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> R
     if o.grad_placement == "auto":
         choice = "device"
         if gpu is not None:
-            on_device = dataclasses.replace(cfg, optim=dataclasses.replace(o, grad_placement="device"))
+            on_device = replaced(cfg, "optim", grad_placement="device")
             if plan_for(on_device, machine).gpu_total > gpu:
                 choice = "host"
-        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(o, grad_placement=choice))
+        cfg = replaced(cfg, "optim", grad_placement=choice)
     if cfg.optim.placement == "auto":
         res = 0
         if gpu is not None and can_be_resident(cfg):
             rows = choose_placement(cfg, speeds or shard_speeds(cfg), gpu, cast_slab_bytes(cfg), machine.host_bytes)
             res = best(rows)["resident"] if rows else 0
-        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement=res or "host"))
+        cfg = replaced(cfg, "optim", placement=res or "host")
     return cfg
 
 
@@ -295,7 +294,7 @@ def choose_placement(cfg: RunConfig, speeds: Speeds, budget_bytes: int, cast_sla
     step, in order of N; the best is the fastest (the fewest blocks among equals)."""
     rows = []
     for res in range(cfg.model.num_hidden_layers + 1):
-        c = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement=res))
+        c = replaced(cfg, "optim", placement=res)
         offload = memory.offload_count(c, budget_bytes, cast_slab_bytes=cast_slab_bytes)
         keep = memory.keep_count(c, budget_bytes, offload, cast_slab_bytes)
         need = memory.gpu_total(c, keep, offload, cast_slab_bytes)

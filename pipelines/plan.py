@@ -22,10 +22,10 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     a = p.parse_args(argv)
     import os
 
-    from megaray.cost import Speeds, kept_blocks, predict
+    from megaray.cost import Speeds, predict
     from megaray.errors import ConfigError
     from megaray.loader import load_config
-    from megaray.memory import GiB
+    from megaray.memory import GiB, keep_count
     from megaray.plan import (
         Machine,
         best,
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
         print(f"option {override}: saves {saved / 2**30:.2f} GiB of host memory ({per_param:.2f} bytes/param)")
     gpu = gpu_budget(cfg, machine)
     if gpu is not None:
-        keep = kept_blocks(cfg, gpu, pl.offload_inputs, cast_slab_bytes(cfg))
+        keep = keep_count(cfg, gpu, pl.offload_inputs, cast_slab_bytes(cfg))
         t = predict(cfg, speeds, keep)
         print(f"predicted step: {t['step_s']:.2f} s (compute {t['compute_s']:.2f}, forward waiting for updates "
               f"{t['wait_updates_s']:.2f}, copy-in {t['copy_in_s']:.2f}, copy-out {t['copy_out_s']:.2f}, updates "

@@ -45,7 +45,7 @@ from megaray.model import (
     rms_norm,
     rope_tables,
 )
-from megaray.schedule import clip_coefficient
+from megaray.schedule import clip_coefficient, square_norm
 
 from .activations import ActivationPolicy
 from .device import Device, StepClock, StepTimer
@@ -293,7 +293,7 @@ class GpuWorker:
             grads[u] = g
             return
         with clock.span(-1):
-            sq[u] = torch.linalg.vector_norm(g, dtype=torch.float64).square()
+            sq[u] = square_norm(g)
         if self.resident is not None and u in self.resident:
             grads[u] = g                                # stays for the worker's own update
         elif self.group.rank == 0:
@@ -321,7 +321,7 @@ class GpuWorker:
                 self.group.sum([], loss_sum)
         if not host:
             with clock.span(-1):
-                sq = [torch.linalg.vector_norm(g, dtype=torch.float64).square() for g in grads]
+                sq = [square_norm(g) for g in grads]
         sq = torch.stack(sq).cpu()                          # waits for the backward to finish
         loss_total = float(loss_sum)
         norm = math.sqrt(float(sq.sum()))

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from megaray.config import ModelConfig, RunConfig
 from megaray.layout import build_layout
 from megaray.model import LOSS_ROWS, SDPA_GQA
+from megaray.schedule import NORM_CHUNK
 
 GiB = 2**30
 CUDA_CONTEXT_BYTES = 1 * GiB
@@ -136,6 +137,8 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
         "loss chunk (logits, gradients)": loss_chunk_bytes(cfg),
         "kept blocks (internals + weights, at the peak)": n_kept * sh.kept_one,
         "CUDA context and allocator slack": CUDA_CONTEXT_BYTES,
+        "gradient norm workspace (float64 chunk)": 8 * min(NORM_CHUNK, max(sh.block_numel, sh.head_numel,
+                                                                             sh.embed_numel)),
     }
     n_res = cfg.optim.resident_blocks
     if n_res:       # fp32 master, two fp32 moments, the compute copy; in host mode their gradients too

@@ -1,4 +1,5 @@
-"""Learning-rate schedule (linear warmup, then cosine, linear or constant decay) and the clip factor.
+"""Learning-rate schedule (linear warmup, then cosine, linear or constant decay), the clip
+factor and the gradient's squared norm that it is taken from.
 
 Step numbers are 0-based: step s uses ``lr_at(s)``. During warmup the rate climbs linearly
 to ``lr`` at the end of warmup (``lr * (s + 1) / warmup_steps``); then it decays from ``lr``
@@ -8,7 +9,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from megaray.config import OptimConfig
+
+NORM_CHUNK = 1 << 24        # elements a squared norm sums in float64 at once (128 MiB of workspace)
 
 
 def lr_at(step: int, optim: OptimConfig, total_steps: int) -> float:
@@ -28,3 +33,15 @@ def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
     if max_norm is None:
         return 1.0
     return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+def square_norm(g: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of ``g``, summed in float64 (a 0-d tensor on g's device), over
+    ``NORM_CHUNK`` elements at a time: in one call, ``vector_norm(g, dtype=float64)`` casts the
+    whole tensor first, and a llama8b head's 525M-element fp32 gradient became a 3.9 GiB
+    temporary that a 24 GiB run could not hold (BENCHMARKS.md, session 7)."""
+    flat = g.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=g.device)
+    for a in range(0, flat.numel(), NORM_CHUNK):
+        total += torch.linalg.vector_norm(flat[a:a + NORM_CHUNK], dtype=torch.float64).square()
+    return total

@@ -21,7 +21,7 @@ from megaray.errors import PlanError
 from megaray.loader import load_config
 from megaray.memory import GiB
 from megaray.plan import Machine, check, plan_for, resolve
-from megaray.schedule import lr_at
+from megaray.schedule import NORM_CHUNK, lr_at, square_norm
 
 BASE = ["train.grad_accum=2", "train.steps=4", "optim.num_shards=2", "optim.grad_slab_mib=0.01",
         "optim.weight_decay=0.1"]
@@ -117,6 +117,18 @@ def test_the_gpu_budget_caps_the_plan_and_refuses_before_allocating():
     tight = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, gpu_memory_gib=3.0))
     with pytest.raises(PlanError, match=r"GPU memory: needs [\d.]+ GiB, 0.82 GiB usable \(short by"):
         check(tight, machine)
+
+
+def test_the_squared_norm_is_a_float64_sum_over_chunks():
+    """Every unit's squared norm: numpy's float64 sum of squares, for a tensor of one chunk,
+    of several with a ragged end, and of a 2-D weight."""
+    rng = np.random.default_rng(0)
+    for shape in [(1000,), (2 * NORM_CHUNK + 12345,), (37, 53)]:
+        g = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+        ref = np.sum(g.numpy().astype(np.float64) ** 2)
+        got = square_norm(g)
+        assert got.dtype == torch.float64 and got.shape == ()
+        assert abs(float(got) - ref) <= 1e-12 * ref, shape
 
 
 def test_the_gpu_need_is_independent_of_depth():

@@ -1,4 +1,5 @@
-"""Resident units (``optim.placement`` N): the first N blocks' training state on the worker's device.
+"""Resident units (``optim.placement`` N): the training state of the first N units in forward
+order (the embedding, then the first blocks) on the worker's device.
 
 A resident unit keeps its fp32 master, its Adam moments and (within a step) its fp32
 gradient on the device, and a compute-dtype copy of the master that the forward and the

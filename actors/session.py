@@ -37,7 +37,7 @@ from megaray.config import RunConfig
 from megaray.errors import ActorFailure, ConfigError, MegarayError
 from megaray.hf.read import verify_source
 from megaray.layout import assign_pieces, build_layout
-from megaray.plan import Machine, check, resolve
+from megaray.plan import Machine, check, describe_placement, resolve
 from megaray.shm import remove_run, remove_stale
 
 from .calls import get_or_raise
@@ -155,8 +155,7 @@ class TrainingSession:
                  "%d x %g MiB gradient slabs, %d worker(s) on %s; %s (optim.placement)", self.run_id,
                  self.handles.num_units, len(self.handles.pieces), len(shards), kernel, self.handles.ring_slabs,
                  self.handles.slab_bytes / 2**20, len(workers), self.device,
-                 f"the first {len(self.handles.resident)} blocks resident on the worker's device"
-                 if self.handles.resident else "every block streamed")
+                 describe_placement(len(self.handles.resident)))
 
     def _bundle(self) -> dict:
         cfg, o = self.cfg, self.cfg.optim

@@ -74,7 +74,8 @@ class RelaySource:
 
 
 class WeightSlots:
-    """Device slots for the embedding, the head and two alternating block buffers."""
+    """Device slots for the embedding (unless it is resident), the head and two alternating
+    block buffers."""
 
     def __init__(self, cfg: RunConfig, h: Handles, dev: Device, source, resident=None):
         self.cfg, self.h, self.dev, self.source = cfg, h, dev, source
@@ -83,9 +84,10 @@ class WeightSlots:
         self.units = h.units
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.train.compute_dtype]
         block_numel = self.units[1].numel if len(self.units) > 2 else 0
-        self.slots = {"embed": dev.empty(self.units[0].numel, self.dtype),
-                      "head": dev.empty(self.units[-1].numel, self.dtype),
+        self.slots = {"head": dev.empty(self.units[-1].numel, self.dtype),
                       "block0": dev.empty(block_numel, self.dtype), "block1": dev.empty(block_numel, self.dtype)}
+        if 0 not in self.resident_units:           # a resident embedding is read where it lives
+            self.slots["embed"] = dev.empty(self.units[0].numel, self.dtype)
         self.holds: dict[str, tuple[int, int]] = {}          # slot -> (unit, step) it holds or is receiving
         self.free_event: dict[str, object] = {}              # slot -> event after its last reader
         self._staging: torch.Tensor | None = None            # fp32 slab for the on-device cast

@@ -24,10 +24,11 @@ from megaray.actors.metrics import node_memory_used_bytes
 from megaray.actors.session import TrainingSession
 from megaray.checkpoint import Checkpointer
 from megaray.config import RunConfig
+from megaray.cost import predict
 from megaray.layout import build_layout, short_name
 from megaray.loader import build_config
 from megaray.model import block_forward, embed_forward, flops_per_step, rms_norm, rope_tables
-from megaray.plan import plan
+from megaray.plan import describe_placement, plan, shard_speeds
 
 
 class BaselineLlama(nn.Module):
@@ -165,7 +166,7 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
                   f"TFLOP/s, loss {m['loss']:.4f}, GPU peak {m.get('worker/gpu_peak_bytes', 0) / 2**30:.2f} GiB, "
                   f"GPU idle {100 * breakdown(m)['gpu_idle_fraction']:.1f}%", flush=True)
         s.drain()
-        out["resident_blocks"] = len(s.handles.resident)     # optim.placement, as the session resolved it
+        out["resident_units"] = len(s.handles.resident)     # optim.placement, as the session resolved it
         out["host_bytes_per_param"] = plan(s.cfg).host_bytes_per_param
         try:
             out["link_alone"] = ray.get(s.actors["worker"].link_speed.remote())
@@ -178,13 +179,14 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
     kept = med.get("worker/kept_blocks", 0)
     offloaded = med.get("worker/offloaded_inputs", 0)
     predicted = plan(s.cfg, keep=kept, on_gpu=cfg.worker.device == "cuda", offload=offloaded)
+    predicted_step = predict(s.cfg, shard_speeds(s.cfg), keep=kept)["step_s"]
     gpu_peak = max(m.get("worker/gpu_peak_bytes", 0) for m in ms)
     # less the copy of the initial weights this process holds for the baseline
     state_bytes = sum(v.nbytes for v in state.values()) if state else 0
     host_peak = max(m["node_memory_used_bytes"] for m in ms) - host_before - state_bytes
     out["planner"] = {"host_predicted_gib": predicted.host_total / 2**30, "host_measured_gib": host_peak / 2**30,
                       "gpu_predicted_gib": predicted.gpu_total / 2**30, "gpu_measured_gib": gpu_peak / 2**30,
-                      "kept_blocks": kept, "offloaded_inputs": offloaded}
+                      "kept_blocks": kept, "offloaded_inputs": offloaded, "step_predicted_s": predicted_step}
     key = "optimizer_params_per_second_all_shards"
     rates = [m[key] for m in ms[1:] if key in m]
     out["megaray"] = {"step_s": step_s, "tflops": flops / step_s / 1e12,
@@ -257,8 +259,7 @@ def print_table(r: dict) -> None:
           f"({r['grad_accum']} x {r['micro_batch']} x {r['seq_len']}), "
           f"{r['shards']} shards x {r['threads_per_shard']} threads, "
           f"{r['host_bytes_per_param']:.2f} host bytes/param, "
-          + (f"the first {r['resident_blocks']} blocks resident" if r.get("resident_blocks")
-             else "every block streamed"))
+          + describe_placement(r.get("resident_units", 0)))
     print(f"  megaray : {m['step_s']:.3f} s/step  {m['tflops']:.1f} TFLOP/s  {m['tokens_per_s']:.0f} tok/s  "
           f"GPU peak {m['gpu_peak_gib']:.1f} GiB")
     b = r.get("baseline")
@@ -288,7 +289,8 @@ def print_table(r: dict) -> None:
     print(f"  planner: host {pl['host_predicted_gib']:.1f} GiB predicted, {pl['host_measured_gib']:.1f} GiB measured "
           "(system memory in use, less what was in use before and the baseline's copy of the weights); "
           f"GPU {pl['gpu_predicted_gib']:.1f} GiB predicted "
-          f"(keeping {pl['kept_blocks']} blocks), {pl['gpu_measured_gib']:.1f} GiB peak allocated")
+          f"(keeping {pl['kept_blocks']} blocks), {pl['gpu_measured_gib']:.1f} GiB peak allocated; "
+          f"step {pl['step_predicted_s']:.3f} s predicted (the default speeds), {m['step_s']:.3f} s measured")
     for row in r.get("optimizer_scaling", []):
         print(f"  optimizer {row['shards']} shards x {row['threads_per_shard']} threads: "
               f"{row['optimizer_gparams_per_s'] or 0:.2f} G params/s summed, GPU waits {row['idle_optimizer_s']:.3f} s "

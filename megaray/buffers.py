@@ -88,7 +88,7 @@ class Handles:
         return cls.plan(run_id, owner_pid, cfg.cluster.shm_dir, cfg.train.compute_dtype, units,
                         o.slab_numel, o.ring_slabs, o.master_dtype, cfg.host_compute_copy,
                         "host" if o.grad_placement == "host" else "device", o.grad_dtype,
-                        tuple(range(1, 1 + o.resident_blocks)))
+                        tuple(range(o.resident_units)))
 
     @property
     def streamed(self) -> tuple[int, ...]:

@@ -186,17 +186,20 @@ class OptimConfig:
     """Dtype of the gradients that cross the link and wait in host memory: float32, or
     bfloat16 (half the copy-out and the host bytes; the norm is taken from the fp32 values on
     the GPU before they are rounded)."""
-    placement: str | int = "host"
-    """Where the blocks' training state lives: 'host' (every unit streams: master and moments
+    placement: str | int = "auto"
+    """Where the units' training state lives: 'host' (every unit streams: master and moments
     in host memory, updated by the shards, weights in and gradients out every step), 'auto'
-    (the cost model's choice for the GPU at hand: ``megaray plan`` prints it and what each
-    choice buys; 'host' without a GPU or where resident blocks are not possible), or N:
-    the first N blocks are *resident*: their fp32 master, Adam moments and gradient stay on
-    the worker's device, which updates them itself (the same AdamW, clipping, skipping,
-    weight-decay groups and schedule, to the bit on the CPU) with nothing crossing the link;
-    their master reaches shared memory only for checkpoints and ``state_dict``. The other
-    units stream as with 'host'. Needs fp32 master and moments and one worker on the store's
-    node."""
+    (the default: the cost model's choice for the GPU at hand, ``megaray plan`` prints it and
+    what each choice buys; 'host' without a GPU or where resident units are not possible), or
+    N: the first N units in forward order are *resident* (1: the embedding; N > 1: the
+    embedding and the first N - 1 blocks; the head always streams). A resident unit's fp32
+    master, Adam moments and gradient stay on the worker's device, which updates them itself
+    (the same AdamW, clipping, skipping, weight-decay groups and schedule, to the bit on the
+    CPU) with nothing crossing the link; its master reaches shared memory only for
+    checkpoints and ``state_dict``. The other units stream as with 'host'. Forward order,
+    because the next step's forward waits for each streamed unit's update in that order: the
+    embedding's gates the step's first compute. Needs fp32 master and moments and one worker
+    on the store's node."""
 
     def __post_init__(self):
         if not self.lr > 0:
@@ -228,7 +231,7 @@ class OptimConfig:
         if self.grad_placement not in ("auto", "device", "host"):
             raise ConfigError("optim.grad_placement", f"must be auto, device or host (got {self.grad_placement!r})")
         if self.placement not in ("host", "auto") and (not isinstance(self.placement, int) or self.placement < 0):
-            raise ConfigError("optim.placement", f"must be host, auto or a number of resident blocks >= 0 "
+            raise ConfigError("optim.placement", f"must be host, auto or a number of resident units >= 0 "
                                                  f"(got {self.placement!r})")
         if self.grad_dtype not in _DTYPES:
             raise ConfigError("optim.grad_dtype", f"must be one of {_DTYPES} (got {self.grad_dtype!r})")
@@ -248,9 +251,9 @@ class OptimConfig:
         return self.grad_ring_slabs or 2 * self.num_shards
 
     @property
-    def resident_blocks(self) -> int:
-        """How many (leading) blocks are resident on the worker's device (``placement``; 0
-        for 'auto' until a machine resolves it: ``megaray.plan.resolve``)."""
+    def resident_units(self) -> int:
+        """How many units, in forward order from the embedding, are resident on the worker's
+        device (``placement``; 0 for 'auto' until a machine resolves it: ``megaray.plan.resolve``)."""
         return self.placement if isinstance(self.placement, int) else 0
 
 
@@ -398,16 +401,17 @@ class RunConfig:
         if self.optim.master_dtype == "bfloat16" and self.train.compute_dtype != "bfloat16":
             raise ConfigError("optim.master_dtype", "a bfloat16 master needs train.compute_dtype: bfloat16 "
                                                     f"(got {self.train.compute_dtype})")
-        n = self.optim.resident_blocks
-        if n > self.model.num_hidden_layers:
-            raise ConfigError("optim.placement", f"{n} resident blocks, but the model has "
-                                                 f"{self.model.num_hidden_layers}")
+        n = self.optim.resident_units
+        if n > self.model.num_hidden_layers + 1:
+            raise ConfigError("optim.placement", f"{n} resident units, but the model has the embedding and "
+                                                 f"{self.model.num_hidden_layers} blocks before the head "
+                                                 f"(at most {self.model.num_hidden_layers + 1}; the head streams)")
         if n and (self.optim.master_dtype, self.optim.moment_dtype) != ("float32", "float32"):
-            raise ConfigError("optim.placement", "resident blocks keep an fp32 master and fp32 moments; "
+            raise ConfigError("optim.placement", "resident units keep an fp32 master and fp32 moments; "
                                                  f"got optim.master_dtype={self.optim.master_dtype}, "
                                                  f"optim.moment_dtype={self.optim.moment_dtype}")
         if n and (self.worker.count > 1 or self.worker.placement == "remote"):
-            raise ConfigError("optim.placement", "resident blocks need one worker on the store's node "
+            raise ConfigError("optim.placement", "resident units need one worker on the store's node "
                                                  f"(worker.count={self.worker.count}, "
                                                  f"worker.placement={self.worker.placement})")
         if self.train.grad_accum % self.worker.count:

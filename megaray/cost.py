@@ -12,11 +12,16 @@ compute can start. The terms:
   backward, in the dtype they cross the link (the host's bf16 copy, or the fp32 master cast
   on the GPU), at ``link_gbps``;
 - copy-out: every gradient once, in ``optim.grad_dtype``, at ``link_gbps``;
-- updates: every parameter once, at the cores' AdamW rate for the run's state.
+- updates: every streamed parameter once, at the cores' AdamW rate for the run's state.
 
 The default speeds are megaray's own measurements on the reference machine (1x H200,
 16 cores; BENCHMARKS.md, sessions 4-5): compute rate as reached by llama3b/llama8b steps,
-the pinned link, and the AdamW rates summed over 16 processes divided by 16.
+the pinned link, and the AdamW rates summed over 16 processes divided by 16, measured alone.
+While the worker streams, the shards reach less of it (``Speeds.update_share``): the copies
+share host memory's bandwidth with them, and the shards wait on the ring. Measured (session
+7, llama3b, 14 threads, fp32 gradients through the ring): 2.8-3.2 G params/s summed at 16k
+tokens a step against 4.5 alone, 0.63-0.70 of it; at 64k 4.1-4.5 (0.9-1.0), where the updates
+hide under the compute anyway. The share is the small-step figure, where it decides the step.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ class Speeds:
     link_gbps: float = 53.7        # pinned host<->device GB/s, each direction
     cores: int = 16                # cores for the optimizer shards
     gpu_gbps: float = 4000.0       # the GPU's memory bandwidth reached by elementwise kernels
+    update_share: float = 0.67     # of the AdamW rate measured alone, what the shards reach while the worker streams
 
 
 def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
@@ -48,41 +54,46 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
     is known, in forward order, and the forward waits for each streamed unit's update before
     it computes it. So the forward is simulated unit by unit: the embedding's update first,
     then each block starts when the block before it has computed and (streamed) its own
-    update is done; resident blocks (``optim.placement``) wait for nothing. The wait this
-    adds to the forward (``wait_updates_s``) adds to the step; copy-in and copy-out still
-    bound it from below."""
+    update is done; resident units (``optim.placement``: the embedding, then the first
+    blocks) wait for nothing. The wait this adds to the forward (``wait_updates_s``) adds to
+    the step; copy-in and copy-out still bound it from below."""
     m, t, o = cfg.model, cfg.train, cfg.optim
     units = build_layout(m)
     n = m.num_params()
     L = m.num_hidden_layers
     block = units[1].numel if L else 0
-    res = min(L, o.resident_blocks)
-    streamed = n - res * block
+    embed_res = o.resident_units >= 1
+    res = min(L, max(0, o.resident_units - 1))          # resident blocks
+    res_numel = res * block + (units[0].numel if embed_res else 0)
+    streamed = n - res_numel
     tflops = speeds.gpu_tflops * 1e12
     block_flops = 6.0 * block * t.tokens_per_step + 6.0 * m.hidden_size * t.seq_len * t.tokens_per_step
     recomputed = max(0, L - keep)
     flops = flops_per_step(m, t.tokens_per_step, t.seq_len)
     # resident updates on the device: 30 bytes a parameter (master, moments read and written,
     # the gradient read, the compute copy written) at the GPU's memory bandwidth
-    resident_s = res * block * 30 / (speeds.gpu_gbps * 1e9)
+    resident_s = res_numel * 30 / (speeds.gpu_gbps * 1e9)
     compute = (flops + recomputed * block_flops / 3) / tflops + resident_s
     stream_bytes = 2 if cfg.host_compute_copy or o.master_dtype == "bfloat16" else 4
     copy_in = (streamed + max(0, L - keep - res) * block) * stream_bytes / (speeds.link_gbps * 1e9)
     copy_out = streamed * (2 if o.grad_dtype == "bfloat16" else 4) / (speeds.link_gbps * 1e9)
-    rate = ADAMW_PER_CORE.get((o.master_dtype, o.moment_dtype, o.grad_dtype), 6.0 / 16) * speeds.cores * 1e9
+    rate = (ADAMW_PER_CORE.get((o.master_dtype, o.moment_dtype, o.grad_dtype), 6.0 / 16) * speeds.cores * 1e9
+            * speeds.update_share)
     if cfg.host_compute_copy:
         rate /= 1.2
     updates = streamed / rate
     f = block_flops / 3 / tflops                    # one block's forward
-    done = units[0].numel / rate                    # the embedding's update, first
+    done = 0.0 if embed_res else units[0].numel / rate   # the embedding's update, first
     clock = done
     for i in range(L):
         if i >= res:
             done += block / rate
             clock = max(clock, done)
         clock += f
-    wait = clock - L * f
-    first = block * stream_bytes / (speeds.link_gbps * 1e9) if res == 0 else 0.0
+    wait = max(0.0, clock - L * f)
+    # before the first block computes: the embedding's copy-in (streamed) and block 0's (streamed)
+    first_numel = (0 if embed_res else units[0].numel) + (block if res == 0 else 0)
+    first = first_numel * stream_bytes / (speeds.link_gbps * 1e9)
     return {"compute_s": compute, "copy_in_s": copy_in, "copy_out_s": copy_out, "updates_s": updates,
             "wait_updates_s": wait, "resident_updates_s": resident_s,
             "step_s": max(compute + wait, copy_in, copy_out) + first}

@@ -140,10 +140,14 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
         "gradient norm workspace (float64 chunk)": 8 * min(NORM_CHUNK, max(sh.block_numel, sh.head_numel,
                                                                              sh.embed_numel)),
     }
-    n_res = cfg.optim.resident_blocks
-    if n_res:       # fp32 master, two fp32 moments, the compute copy; in host mode their gradients too
-        per_param = 4 + 8 + s + (0 if grads_on_device(cfg) else 4)
-        items[f"resident blocks ({n_res}: master, moments, copy)"] = n_res * sh.block_numel * per_param
+    n_units = cfg.optim.resident_units
+    if n_units:     # fp32 master, two fp32 moments, the compute copy (in place of a slot)
+        n_res = min(L, n_units - 1)
+        items["weight slots (head, 2 blocks)"] = items.pop("weight slots (embed, head, 2 blocks)") - s * sh.embed_numel
+        # the embedding's gradient is among the ends' already; a block's, in host mode, waits for the update
+        per_block = 4 + 8 + s + (0 if grads_on_device(cfg) else 4)
+        items[f"resident units (embedding + {n_res} blocks: master, moments, copy)"] = (
+            sh.embed_numel * (4 + 8 + s) + n_res * sh.block_numel * per_block)
     if cast_slab_bytes:
         items["fp32 staging of the on-device cast"] = cast_slab_bytes
     return items

@@ -172,7 +172,7 @@ def savings(cfg: RunConfig) -> list[tuple[str, int, float]]:
 def remedies(cfg: RunConfig, machine: Machine) -> list[str]:
     """Single overrides, each of which alone makes a run that does not fit ``machine`` fit
     (tried in this order): gradients to host memory and in bf16, bf16 moments or master,
-    resident blocks (their state leaves host memory), the largest loss chunk that fits (a
+    resident units (their state leaves host memory), the largest loss chunk that fits (a
     multiple of 256), the largest micro-batch that fits with the same tokens per step."""
     def fits(c: RunConfig) -> bool:
         return not shortfalls(plan_for(c, machine), machine)
@@ -194,7 +194,7 @@ def remedies(cfg: RunConfig, machine: Machine) -> list[str]:
     if o.placement == "host" and can_be_resident(cfg) and machine.gpu_bytes is not None:
         n = resolve(with_("optim", placement="auto"), machine).optim.placement
         if n != "host" and fits(with_("optim", placement=n)):
-            out.append(f"optim.placement=auto (the first {n} blocks resident)")
+            out.append(f"optim.placement=auto ({describe_placement(n)})")
     chunk = min(t.loss_chunk_tokens, t.micro_batch_size * t.seq_len)
     k = memory._largest(lambda k: fits(with_("train", loss_chunk_tokens=256 * k)), 1, chunk // 256 - 1)
     if k >= 1:
@@ -265,9 +265,9 @@ def gpu_budget(cfg: RunConfig, machine: Machine) -> int | None:
 def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> RunConfig:
     """The config with its 'auto' choices decided for ``machine``: ``optim.grad_placement``
     (the device when the step fits its GPU that way, offloading inputs if it must, else host
-    memory), then ``optim.placement`` (the cost model's fastest number of resident blocks
+    memory), then ``optim.placement`` (the cost model's fastest number of resident units
     within the GPU budget and host memory, ``choose_placement``; host without a GPU, or where
-    resident blocks cannot be: bf16 state, several workers, a remote worker)."""
+    resident units cannot be: bf16 state, several workers, a remote worker)."""
     gpu = gpu_budget(cfg, machine)
     o = cfg.optim
     if o.grad_placement == "auto":
@@ -288,30 +288,42 @@ def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> R
 
 def choose_placement(cfg: RunConfig, speeds: Speeds, budget_bytes: int, cast_slab_bytes: int,
                      host_bytes: int | None = None) -> list[dict]:
-    """Every resident block count that fits the GPU budget (with the inputs the worker would
-    offload and the blocks it would keep) and, given ``host_bytes``, host memory (resident
-    blocks leave it: a model too big for the host alone may fit), each with its predicted
-    step, in order of N; the best is the fastest (the fewest blocks among equals)."""
+    """Every resident unit count (the embedding, then blocks) that fits the GPU budget (with
+    the inputs the worker would offload and the blocks it would keep) and, given
+    ``host_bytes``, host memory (resident units leave it: a model too big for the host alone
+    may fit), each with its predicted step, in order of N; the best is the fastest (the
+    fewest units among equals)."""
     rows = []
-    for res in range(cfg.model.num_hidden_layers + 1):
+    for res in range(cfg.model.num_hidden_layers + 2):
         c = replaced(cfg, "optim", placement=res)
         offload = memory.offload_count(c, budget_bytes, cast_slab_bytes=cast_slab_bytes)
         keep = memory.keep_count(c, budget_bytes, offload, cast_slab_bytes)
         need = memory.gpu_total(c, keep, offload, cast_slab_bytes)
         if need > budget_bytes:
-            break                                   # more resident blocks need more GPU memory
+            break                                   # more resident units need more GPU memory
         host = plan(c, keep=keep, offload=offload).host_total
         if host_bytes is not None and host > host_bytes:
-            continue                                # fewer resident blocks need more host memory
+            continue                                # fewer resident units need more host memory
         rows.append({"resident": res, "keep": keep, "offload": offload, "gpu_bytes": need, "host_bytes": host,
                      **predict(c, speeds, keep)})
     return rows
 
 
 def best(rows: list[dict]) -> dict:
-    """The fastest placement; among those within 0.5% of it, the fewest resident blocks."""
+    """The fastest placement; among those within 0.5% of it, the fewest resident units."""
     fastest = min(r["step_s"] for r in rows)
     return next(r for r in rows if r["step_s"] <= fastest * 1.005)
+
+
+def describe_placement(resident_units: int) -> str:
+    """``optim.placement`` N in words: which units are resident."""
+    if resident_units <= 0:
+        return "every unit streamed"
+    if resident_units == 1:
+        return "the embedding resident"
+    if resident_units == 2:
+        return "the embedding and the first block resident"
+    return f"the embedding and the first {resident_units - 1} blocks resident"
 
 
 def can_be_resident(cfg: RunConfig) -> bool:

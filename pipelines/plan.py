@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
         can_be_resident,
         cast_slab_bytes,
         choose_placement,
+        describe_placement,
         gpu_budget,
         largest_fit,
         plan_for,
@@ -60,14 +61,14 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     asked = cfg.optim.placement
     cfg = resolve(cfg, machine, speeds)
     pl = plan_for(cfg, machine)
-    res = cfg.optim.resident_blocks
     print(f"plan for {where}; gradients wait for the norm on the "
           f"{'GPU' if cfg.optim.grad_placement != 'host' else 'host'} (optim.grad_placement); "
-          + (f"the first {res} of {cfg.model.num_hidden_layers} blocks resident on the GPU" if res
-             else "every block streamed") + f" (optim.placement {asked})")
+          f"{describe_placement(cfg.optim.resident_units)} of {cfg.model.num_hidden_layers} blocks "
+          f"(optim.placement {asked})")
     print(pl.report(machine))
     for override, saved, per_param in savings(cfg):
-        print(f"option {override}: saves {saved / 2**30:.2f} GiB of host memory ({per_param:.2f} bytes/param)")
+        what = f"saves {saved / 2**30:.2f}" if saved >= 0 else f"needs {-saved / 2**30:.2f} more"
+        print(f"option {override}: {what} GiB of host memory ({per_param:.2f} bytes/param)")
     gpu = gpu_budget(cfg, machine)
     if gpu is not None:
         keep = keep_count(cfg, gpu, pl.offload_inputs, cast_slab_bytes(cfg))
@@ -93,16 +94,16 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
 
 
 def print_placements(rows: list[dict], best) -> None:
-    """What resident blocks buy: a few placements that fit the GPU and host memory, with
+    """What resident units buy: a few placements that fit the GPU and host memory, with
     their GPU need and predicted step, and the seconds each saves per GiB of GPU memory over
-    the fewest resident blocks that fit (all-host, where that fits)."""
+    the fewest resident units that fit (all-host, where that fits)."""
     if not rows:
         print("placements: none fits both the GPU and host memory")
         return
     pick, first = best(rows)["resident"], rows[0]
     show = sorted({0, len(rows) - 1, len(rows) // 4, len(rows) // 2, 3 * len(rows) // 4,
                    next(i for i, r in enumerate(rows) if r["resident"] == pick)})
-    print("placements (optim.placement N: the first N blocks resident; host memory allows N >= "
+    print("placements (optim.placement N: the first N units resident, the embedding first; host memory allows N >= "
           f"{first['resident']}):")
     for r in (rows[k] for k in show):
         extra = (r["gpu_bytes"] - first["gpu_bytes"]) / 2**30

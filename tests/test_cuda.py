@@ -27,7 +27,7 @@ def _train(device: str, dtype: str, steps: int = 4, extra: tuple = ()):
 
     cfg = load_config("debug", [f"worker.device={device}", f"train.compute_dtype={dtype}",
                                 f"train.steps={steps}", "train.grad_accum=3", "optim.grad_slab_mib=0.015625",
-                                *extra])
+                                "optim.placement=host", *extra])      # every unit streamed unless a case says
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 256, (3, 2, 33)) for _ in range(steps)]
     with TrainingSession(cfg) as s:
@@ -141,9 +141,10 @@ def test_pinned_host_buffers_are_exactly_their_size():
 
 
 @pytest.mark.parametrize("grads", ["device", "host"])
-def test_resident_blocks_on_the_gpu_equal_streamed_ones(gpu_ray, grads):
-    """optim.placement 2 on the GPU (torch's fused AdamW on the device, per weight-decay
-    group) against every block streamed and updated by the shards: equal to fp32 rounding."""
+def test_resident_units_on_the_gpu_equal_streamed_ones(gpu_ray, grads):
+    """optim.placement 2 on the GPU (the embedding and block 0; torch's fused AdamW on the
+    device, per weight-decay group) against every unit streamed and updated by the shards:
+    equal to fp32 rounding."""
     torch.backends.cuda.matmul.allow_tf32 = False
     extra = (f"optim.grad_placement={grads}", "optim.clip_grad_norm=0.05", "optim.weight_decay=0.1")
     ref_l, ref_w = _train("cuda", "float32", extra=(*extra, "optim.placement=host"))

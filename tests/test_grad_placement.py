@@ -78,7 +78,8 @@ def test_bf16_gradients_are_adamw_on_the_rounded_gradients(ray_cluster):
 
 def test_auto_keeps_gradients_on_the_gpu_while_they_fit():
     cfg = load_config("debug", ["model.shape=llama8b", "train.seq_len=4096", "train.grad_accum=16",
-                                "train.micro_batch_size=1", "train.compute_dtype=bfloat16", "optim.num_shards=4"])
+                                "train.micro_batch_size=1", "train.compute_dtype=bfloat16", "optim.num_shards=4",
+                                "optim.placement=host"])          # every unit's gradient through host memory
     big = Machine(10**15, 10**15, 141 * GiB)
     small = Machine(10**15, 10**15, 24 * GiB)
     assert resolve(cfg, big).optim.grad_placement == "device"

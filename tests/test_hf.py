@@ -190,14 +190,15 @@ def test_model_tokenizer_feeds_the_data(ray_cluster, tmp_path):
     assert (out / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()
 
 
-def test_resident_blocks_load_from_the_model_directory(ray_cluster, tmp_path):
-    """The worker reads its resident blocks from the model directory itself (the store only
-    the streamed units): the weights are the model's, as with every block streamed."""
+def test_resident_units_load_from_the_model_directory(ray_cluster, tmp_path):
+    """The worker reads its resident units (the embedding and both blocks) from the model
+    directory itself (the store only the head): the weights are the model's, as with every
+    unit streamed."""
     path, ref = make_hf(tmp_path, "qwen2")
     cfg = _cfg(path)
-    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement=2))
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement=3))
     with TrainingSession(cfg) as s:
-        assert s.handles.resident == (1, 2)
+        assert s.handles.resident == (0, 1, 2)
         state = s.state_dict()
     want = ref.state_dict()
     assert set(state) <= set(want)

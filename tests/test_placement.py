@@ -1,6 +1,7 @@
-"""Resident blocks (``optim.placement`` N): state on the worker's device, updated there.
+"""Resident units (``optim.placement`` N: the embedding, then the first blocks): state on the
+worker's device, updated there.
 
-On the CPU a resident block runs the shards' own AdamW calls piece by piece, so any placement
+On the CPU a resident unit runs the shards' own AdamW calls piece by piece, so any placement
 must equal the all-host one bit for bit: losses and every weight, with clipping that clips,
 clipping off, a skipped non-finite step, weight-decay groups (matrices decayed, norms not),
 gradient accumulation, both homes of the gradients and bf16 gradients. A checkpoint written
@@ -39,7 +40,7 @@ def _train(*extra: str, steps: int = 3):
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 256, (2, 2, 33)) for _ in range(steps)]
     with TrainingSession(cfg) as s:
-        assert s.handles.resident == tuple(range(1, 1 + cfg.optim.resident_blocks))
+        assert s.handles.resident == tuple(range(cfg.optim.resident_units))
         ms = [s.train_step(i, b) for i, b in enumerate(batches)]
         resident = ray.get(s.actors["worker"].resident_state.remote())
         return ms, s.state_dict(), resident
@@ -54,11 +55,16 @@ CASES = {
 }
 
 
+# the embedding alone; the embedding and block 0; the embedding and both blocks
+PLACEMENT = {"ring-clipped": 1, "ring-skipped-step": 3, "host-clipped": 2, "host-clipping-off": 3,
+             "host-bf16-gradients": 2}
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_resident_blocks_equal_streamed_blocks_bit_for_bit(ray_cluster, case):
+def test_resident_units_equal_streamed_units_bit_for_bit(ray_cluster, case):
     opts = CASES[case]
     ref, ref_w, _ = _train("optim.placement=host", *opts)
-    placement = 1 if case == "ring-clipped" else 2          # one of the two blocks, or both
+    placement = PLACEMENT[case]
     got, got_w, resident = _train(f"optim.placement={placement}", *opts)
     np.testing.assert_array_equal([m["loss"] for m in got], [m["loss"] for m in ref])   # NaN = NaN
     assert [m["skipped"] for m in got] == [m["skipped"] for m in ref]
@@ -70,7 +76,7 @@ def test_resident_blocks_equal_streamed_blocks_bit_for_bit(ray_cluster, case):
         np.testing.assert_array_equal(got_w[k], ref_w[k], err_msg=k)
     # the resident pieces' Adam steps: every applied step counted, the skipped one not
     applied = sum(not m["skipped"] for m in got)
-    assert {k[0] for k in resident} == set(range(1, 1 + placement))
+    assert {k[0] for k in resident} == set(range(placement))
     assert {v["step"] for v in resident.values()} == {applied}
 
 
@@ -93,7 +99,7 @@ def all_host_run(ray_cluster, tmp_path_factory):
     return train(_run_cfg(tmp_path_factory.mktemp("ref"), "checkpoint.resume=null"))
 
 
-@pytest.mark.parametrize("before, after", [("host", 2), (2, "host"), (1, 2)])
+@pytest.mark.parametrize("before, after", [("host", 2), (3, "host"), (1, 3)])
 def test_a_checkpoint_resumes_with_another_placement(all_host_run, tmp_path, before, after):
     """Cut after step 4 (a checkpoint at 3), resume with another placement: steps 4-6 and
     the final weights equal the uninterrupted all-host run's, bit for bit."""
@@ -132,8 +138,9 @@ def _masters(path) -> dict[int, torch.Tensor]:
 
 
 def test_placement_is_checked_with_the_key_named():
-    with pytest.raises(ConfigError, match="optim.placement.*3 resident blocks, but the model has 2"):
-        load_config("debug", ["optim.placement=3"])
+    with pytest.raises(ConfigError, match="optim.placement.*4 resident units, but the model has the embedding "
+                                          r"and 2 blocks before the head \(at most 3"):
+        load_config("debug", ["optim.placement=4"])
     with pytest.raises(ConfigError, match="optim.placement.*fp32 master and fp32 moments"):
         load_config("debug", ["optim.placement=1", "optim.moment_dtype=bfloat16"])
     with pytest.raises(ConfigError, match="optim.placement.*one worker"):
@@ -143,22 +150,32 @@ def test_placement_is_checked_with_the_key_named():
 
 
 def test_the_plan_moves_resident_state_from_host_to_gpu():
-    """Two of llama1b's 16 blocks resident: their moments, master and bf16 copy leave host
-    memory (8 + 4 + 2 bytes a parameter, the shared regions page-aligned; the regions stay
-    in the files, never written); the GPU gains 4 + 8 + 2 bytes a parameter, 4 more for their
-    gradients when gradients wait in host memory (whose host regions they do not use)."""
+    """llama1b's embedding and two of its 16 blocks resident: their moments, master and bf16
+    copy leave host memory (8 + 4 + 2 bytes a parameter, the shared regions page-aligned; the
+    regions stay in the files, never written); the GPU gains 4 + 8 + 2 bytes a parameter (the
+    embedding's copy in place of its slot), 4 more for the blocks' gradients when gradients
+    wait in host memory (whose host regions they do not use; the embedding's gradient is
+    counted among the ends' in any case)."""
     over = ["model.shape=llama1b", "train.seq_len=2048", "train.compute_dtype=bfloat16", "optim.num_shards=4",
             "optim.compute_copy=host"]
     block = 2 * 2048 + 2048 * 2048 * 2 + 2 * 2048 * 512 + 3 * 2048 * 8192     # llama1b: 32/8 heads of 64
+    embed = 128256 * 2048
     for gp, per_param, grads in (("device", 14, 0), ("host", 18, 4)):
         host = plan(load_config("debug", [*over, f"optim.grad_placement={gp}"]))
-        res = plan(load_config("debug", [*over, "optim.placement=2", f"optim.grad_placement={gp}"]))
-        assert res.gpu["resident blocks (2: master, moments, copy)"] == 2 * block * per_param
-        assert host.host_private["adam moments (fp32)"] - res.host_private["adam moments (fp32)"] == 2 * 8 * block
-        assert host.shm["fp32 master weights"] - res.shm["fp32 master weights"] == 2 * align(4 * block)
-        assert host.shm["bfloat16 compute copy"] - res.shm["bfloat16 compute copy"] == 2 * align(2 * block)
-        saved = 2 * (8 * block + align(4 * block) + align(2 * block) + (align(grads * block) if grads else 0))
-        def total(p):     # less the control words (the resident blocks' pieces have none)
+        res = plan(load_config("debug", [*over, "optim.placement=3", f"optim.grad_placement={gp}"]))
+        assert (res.gpu["resident units (embedding + 2 blocks: master, moments, copy)"]
+                == 2 * block * per_param + embed * 14)
+        assert res.gpu["weight slots (head, 2 blocks)"] == host.gpu["weight slots (embed, head, 2 blocks)"] - 2 * embed
+        assert (host.host_private["adam moments (fp32)"] - res.host_private["adam moments (fp32)"]
+                == 8 * (2 * block + embed))
+        assert (host.shm["fp32 master weights"] - res.shm["fp32 master weights"]
+                == 2 * align(4 * block) + align(4 * embed))
+        assert (host.shm["bfloat16 compute copy"] - res.shm["bfloat16 compute copy"]
+                == 2 * align(2 * block) + align(2 * embed))
+        saved = sum(8 * n + align(4 * n) + align(2 * n) + (align(grads * n) if grads else 0)
+                    for n in (block, block, embed))
+
+        def total(p):     # less the control words (the resident units' pieces have none)
             return p.host_total - p.shm["control words"]
 
         assert total(host) - total(res) == saved
@@ -167,20 +184,25 @@ def test_the_plan_moves_resident_state_from_host_to_gpu():
 
 def test_the_forward_waits_for_each_streamed_update():
     """cost.predict's schedule in the regime where updates are the bound (one core): all
-    blocks streamed, the forward's last block starts when every update is done; all blocks
-    resident, it waits only for the embedding's update."""
+    units streamed, the forward's last block starts when every update is done; the embedding
+    resident, the first block waits for its own update only; the embedding and both blocks
+    resident, nothing waits. The shards reach ``update_share`` of the rate measured alone."""
     cfg = load_config("debug", ["train.grad_accum=1", "optim.grad_placement=device"])
-    speeds = Speeds(gpu_tflops=1000.0, cores=1)
-    rate = ADAMW_PER_CORE[("float32", "float32", "float32")] * 1e9
+    speeds = Speeds(gpu_tflops=1000.0, cores=1, update_share=0.5)
+    rate = ADAMW_PER_CORE[("float32", "float32", "float32")] * 1e9 * 0.5
     embed, block = 256 * 32, 9280
     t = cfg.train.tokens_per_step
     f = (6.0 * block * t + 6.0 * 32 * cfg.train.seq_len * t) / 3 / 1e15      # one block's forward
     assert block / rate > f                                                   # updates are the bound
     streamed = predict(cfg, speeds)
     assert streamed["wait_updates_s"] == pytest.approx(embed / rate + 2 * block / rate + f - 2 * f)
-    resident = predict(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement=2)), speeds)
-    assert resident["wait_updates_s"] == pytest.approx(embed / rate)
-    assert resident["updates_s"] == pytest.approx((streamed["updates_s"] * rate - 2 * block) / rate)
+    def placed(n):
+        return predict(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement=n)), speeds)
+
+    assert placed(1)["wait_updates_s"] == pytest.approx(2 * block / rate + f - 2 * f)
+    assert placed(2)["wait_updates_s"] == pytest.approx(block / rate - f)   # block 1's update less block 0's forward
+    assert placed(3)["wait_updates_s"] == 0.0
+    assert placed(3)["updates_s"] == pytest.approx((streamed["updates_s"] * rate - 2 * block - embed) / rate)
 
 
 def test_auto_placement_is_the_fastest_that_fits():
@@ -205,8 +227,8 @@ def test_auto_placement_is_the_fastest_that_fits():
     assert resolve(bf16, big).optim.placement == "host"
 
 
-def test_resident_blocks_take_no_host_memory(ray_cluster):
-    """A resident block's regions of the shared files are never written: the files stay
+def test_resident_units_take_no_host_memory(ray_cluster):
+    """A resident unit's regions of the shared files are never written: the files stay
     sparse there (tmpfs allocates only the streamed units' pages)."""
     cfg = load_config("debug", [*BASE, "optim.placement=2", "optim.grad_placement=host"])
     rng = np.random.default_rng(0)
@@ -219,16 +241,16 @@ def test_resident_blocks_take_no_host_memory(ray_cluster):
             assert allocated == h.held_bytes(kind) < size, kind
 
 
-def test_a_14b_model_with_fp32_state_fits_one_h200_through_resident_blocks():
+def test_a_14b_model_with_fp32_state_fits_one_h200_through_resident_units():
     """qwen14b with fp32 master and moments (177 GB of training state) does not fit 120 GiB
-    of host memory streamed; auto finds the resident blocks that make it fit with the GPU."""
+    of host memory streamed; auto finds the resident units that make it fit with the GPU."""
     cfg = load_config("qwen14b", [])                    # configs/qwen14b.yaml: optim.placement auto
     machine = Machine(120 * GiB, 120 * GiB, 139 * GiB)
     assert 12 * cfg.model.num_params() > 120 * GiB               # fp32 master and moments alone: 177 GB
     with pytest.raises(PlanError, match="host memory: needs") as e:
         check(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement="host")), machine)
-    assert "optim.placement=auto (the first" in str(e.value)      # the refusal names the way out
+    assert "optim.placement=auto (the embedding and the first" in str(e.value)   # the refusal names the way out
     p = check(resolve(cfg, machine), machine)
     n = resolve(cfg, machine).optim.placement
-    assert isinstance(n, int) and 0 < n < 48
+    assert isinstance(n, int) and 1 < n < 49
     assert p.host_total <= 120 * GiB and p.gpu_total <= gpu_budget(cfg, machine)

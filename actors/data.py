@@ -3,7 +3,8 @@
 The driver asks for the batches of the next ``data.prefetch`` steps ahead of time; calls to
 one actor run in order, so while the GPU computes step t the feeder is already building
 t+1 (memory-mapped shard rows gathered, shuffled by position). A batch is small (tokens and
-a loss mask, 9 bytes a token) and travels through Ray's object store.
+a loss mask, 9 bytes a token; with document attention each token's document too, 13) and
+travels through Ray's object store.
 """
 from __future__ import annotations
 
@@ -17,12 +18,21 @@ class DataFeeder:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.src = open_source(cfg)
+        if hasattr(self.src, "attention"):
+            self.attention, why = self.src.attention(cfg.train.attention)
+        else:                           # the byte corpus: no documents recorded (config rejects 'document')
+            self.attention, why = "causal", f"{cfg.train.attention}: {cfg.data.source} data"
+        self.attention_reason = why
 
     def __repr__(self) -> str:
         return f"DataFeeder({self.cfg.data.source}, {self.cfg.train.micro_batch_size} x {self.cfg.train.seq_len} rows)"
 
     def describe(self) -> str:
         return self.src.describe()
+
+    def describe_attention(self) -> str:
+        """``train.attention`` as resolved for the data, and why."""
+        return f"{self.attention} ({self.attention_reason})"
 
     def has_heldout(self) -> bool:
         """Whether the source holds out rows for the evaluation loss."""
@@ -34,6 +44,7 @@ class DataFeeder:
         t = self.cfg.train
         G = micro_batches or t.grad_accum
         t0 = time.perf_counter()
-        rows = self.src.rows_at(position, G * t.micro_batch_size, split)
+        docs = {"documents": True} if self.attention == "document" else {}
+        rows = self.src.rows_at(position, G * t.micro_batch_size, split, **docs)
         out = {k: v.reshape(G, t.micro_batch_size, -1) for k, v in rows.items()}
         return {"batch": out, "seconds": time.perf_counter() - t0}

@@ -34,6 +34,7 @@ import ray
 
 from megaray.buffers import Handles, RunBuffers
 from megaray.config import RunConfig
+from megaray.data import targets_kept
 from megaray.errors import ActorFailure
 from megaray.model import flops_per_step
 from megaray.schedule import lr_at
@@ -197,7 +198,7 @@ class Scheduler:
 
 
 def _shares(batch, n: int) -> list:
-    """Split a step's micro-batches [M, ...] (or a {"tokens", "loss_mask"} of them) into n
+    """Split a step's micro-batches [M, ...] (or a {"tokens", "loss_mask", "doc"} of them) into n
     contiguous, equal shares."""
     if isinstance(batch, dict):
         parts = {k: _shares(v, n) for k, v in batch.items()}
@@ -207,9 +208,10 @@ def _shares(batch, n: int) -> list:
 
 
 def _target_tokens(batch) -> int:
-    """Target tokens of a whole step (those its loss counts)."""
-    if isinstance(batch, dict) and batch.get("loss_mask") is not None:
-        return int((np.asarray(batch["loss_mask"])[..., 1:] != 0).sum())
+    """Target tokens of a whole step (those its loss counts: ``data.targets_kept``)."""
+    keep = targets_kept(batch)
+    if keep is not None:
+        return int(keep.sum())
     toks = np.asarray(batch["tokens"] if isinstance(batch, dict) else batch)
     return int(np.prod(toks.shape[:-1])) * (toks.shape[-1] - 1)
 

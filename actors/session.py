@@ -149,6 +149,7 @@ class TrainingSession:
             self._call([w.join_group.remote(addr, port) for w in workers], "worker")
         ray.get(sched.attach.remote(workers, shards, [self.actor_name(f"optimizer-{k}") for k in range(len(shards))]))
         self.data_description = self._call(self.actors["data"].describe.remote(), "data")
+        self.attention = self._call(self.actors["data"].describe_attention.remote(), "data")
         self.has_heldout = self._call(self.actors["data"].has_heldout.remote(), "data")
         kernel = self._call(shards[0].kernel.remote(), "optimizer-0")
         log.info("run %s: %d layer units in %d gradient pieces, %d optimizer shards (AdamW: %s), a ring of "
@@ -297,10 +298,11 @@ class TrainingSession:
         return {s.name: by_unit[u.index][s.offset:s.offset + s.numel].reshape(s.shape)
                 for u in self.handles.units for s in u.params}
 
-    def logits(self, tokens: np.ndarray) -> np.ndarray:
-        """fp32 logits [batch, seq, vocab] for tokens [batch, seq] with the current weights."""
+    def logits(self, tokens: np.ndarray, doc: np.ndarray | None = None) -> np.ndarray:
+        """fp32 logits [batch, seq, vocab] for tokens [batch, seq] with the current weights;
+        with ``doc`` (each token's document, [batch, seq]) under document attention."""
         self.drain()
-        return self._call(self.actors["worker"].logits.remote(tokens))
+        return self._call(self.actors["worker"].logits.remote(tokens, doc))
 
     def check_alive(self) -> None:
         """Raise ActorFailure if the store died (the others fail inside the step that needs them)."""

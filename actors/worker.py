@@ -33,7 +33,7 @@ import torch
 
 from megaray.buffers import DTYPES, Handles, RunBuffers
 from megaray.config import RunConfig
-from megaray.data import split_batch
+from megaray.data import split_batch, targets_kept
 from megaray.errors import ActorFailure, RunAborted
 from megaray.layout import bind
 from megaray.model import (
@@ -42,6 +42,7 @@ from megaray.model import (
     embed_forward,
     head_loss_and_grads,
     head_loss_sum,
+    packing,
     rms_norm,
     rope_tables,
 )
@@ -118,13 +119,14 @@ class GpuWorker:
         timer, clock = StepTimer(), StepClock(self.dev)
         if self.dev.cuda:
             torch.cuda.reset_peak_memory_stats(self.dev.device)
-        inputs, targets = self._inputs_targets(tokens)
+        inputs, targets, packs = self._inputs_targets(tokens)
         n_tokens = int((targets != IGNORE_INDEX).sum()) if total_tokens is None else total_tokens
         inv_n = 1.0 / max(n_tokens, 1)
 
         grads: list = [None] * len(self.units)
         sq: list = [None] * len(self.units)          # each unit's squared gradient norm, on the device
-        acts, kept, nxt = self._forward(step, inputs, timer, clock)
+        acts, kept, nxt = self._forward(step, inputs, packs, timer, clock)
+        kept["packs"] = packs
         dys, g_embed, loss_sum, nxt = self._head(step, acts, kept, targets, inv_n, nxt, grads, sq, timer, clock)
         self._backward(step, inputs, acts, kept, dys, g_embed, nxt, grads, sq, timer, clock)
         out = self._decide_and_ship(step, grads, sq, loss_sum, timer, clock)
@@ -142,7 +144,7 @@ class GpuWorker:
             self.acts.adapt(out["gpu_peak_bytes"])
         return out
 
-    def _forward(self, step: int, inputs, timer: StepTimer, clock: StepClock):
+    def _forward(self, step: int, inputs, packs: list, timer: StepTimer, clock: StepClock):
         """Embedding and blocks, saving each block's input; the last blocks keep their internals."""
         t0 = time.perf_counter()
         U, L, M = len(self.units), self.L, inputs.shape[0]
@@ -166,7 +168,8 @@ class GpuWorker:
                 with torch.no_grad(), clock.span(u):
                     _, w = slots.weights(u, grad=False)
                     for m in range(M):
-                        acts[i + 1][m] = block_forward(w, acts[i][m], self.rope, self.mcfg, mlp_chunk)
+                        acts[i + 1][m] = block_forward(w, acts[i][m], self.rope, self.mcfg, mlp_chunk,
+                                                       pk=packs[m])
                 if i < n_off:
                     acts_policy.host_buffer(n_off, acts[i][0], M)
                     acts_policy.offload(i, acts, timer)
@@ -182,7 +185,7 @@ class GpuWorker:
                     w = bind(flat, self.units[u])
                     for m in range(M):
                         x = acts[i][m].detach().requires_grad_()
-                        y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk)
+                        y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk, pk=packs[m])
                         pairs.append((x, y))
                         acts[i + 1][m] = y.detach()
                 kept["blocks"][i] = (flat, w, pairs)
@@ -267,7 +270,7 @@ class GpuWorker:
                         x = acts[i][m].detach().requires_grad_()
                         acts[i][m] = None
                         with torch.enable_grad():
-                            y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk)
+                            y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk, pk=kept["packs"][m])
                             dys[m] = self._block_backward(self.units[u], w, y, x, dys[m], g)
                 slots.release(u)
             self._gradient_done(step, u, g, grads, sq, clock)
@@ -343,16 +346,22 @@ class GpuWorker:
         timer.add("reduce_s", time.perf_counter() - t0)
         return {"loss_sum": loss_total, "grad_norm": norm, "clip_coef": coef, "applied": finite}
 
-    def _inputs_targets(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs_targets(self, batch) -> tuple[torch.Tensor, torch.Tensor, list]:
         """Inputs and targets of a batch [micro_batches, batch, seq + 1] (a token array, or
-        tokens with a loss mask): targets the mask leaves out become IGNORE_INDEX."""
-        tokens, mask = split_batch(batch)
+        tokens with a loss mask and, with document attention, each token's document):
+        targets the loss leaves out (``data.targets_kept``) become IGNORE_INDEX; and each
+        micro-batch's Packing (None for causal attention)."""
+        tokens, _, doc = split_batch(batch)
         toks = torch.tensor(np.asarray(tokens), dtype=torch.int64).to(self.dev.device)
         targets = toks[..., 1:]
-        if mask is not None:
-            keep = torch.tensor(np.asarray(mask)[..., 1:] != 0).to(self.dev.device)
-            targets = targets.masked_fill(~keep, IGNORE_INDEX)
-        return toks[..., :-1], targets
+        keep = targets_kept(batch)
+        if keep is not None:
+            targets = targets.masked_fill(~torch.from_numpy(keep).to(self.dev.device), IGNORE_INDEX)
+        packs = [None] * toks.shape[0]
+        if doc is not None:
+            d = torch.from_numpy(np.asarray(doc)[..., :-1]).to(self.dev.device)
+            packs = [packing(d[m]) for m in range(d.shape[0])]
+        return toks[..., :-1], targets, packs
 
     # ------------------------------------------------------------------ outside training steps
     def resident_masters(self) -> dict[int, np.ndarray]:
@@ -420,8 +429,8 @@ class GpuWorker:
 
     @torch.no_grad()
     def _evaluate(self, step: int, tokens: np.ndarray) -> dict:
-        inputs, targets = self._inputs_targets(tokens)
-        xs, wh, we = self._forward_only(step, list(inputs))
+        inputs, targets, packs = self._inputs_targets(tokens)
+        xs, wh, we = self._forward_only(step, list(inputs), packs)
         loss, count = 0.0, 0
         chunk = self.cfg.train.loss_chunk_tokens
         for m, x in enumerate(xs):
@@ -435,10 +444,12 @@ class GpuWorker:
         return {"loss_sum": loss, "tokens": count}
 
     @torch.no_grad()
-    def logits(self, tokens: np.ndarray) -> np.ndarray:
-        """fp32 logits of a small batch [batch, seq] (tests and interop checks)."""
+    def logits(self, tokens: np.ndarray, doc: np.ndarray | None = None) -> np.ndarray:
+        """fp32 logits of a small batch [batch, seq] (tests and interop checks); with ``doc``
+        (each token's document, [batch, seq]) under document attention."""
         step = self.slots.source.version()
-        (h,), wh, we = self._forward_only(step, [torch.tensor(tokens, dtype=torch.int64).to(self.dev.device)])
+        pk = [packing(torch.from_numpy(np.asarray(doc)).to(self.dev.device))] if doc is not None else [None]
+        (h,), wh, we = self._forward_only(step, [torch.tensor(tokens, dtype=torch.int64).to(self.dev.device)], pk)
         h = rms_norm(h, wh["model.norm.weight"], self.mcfg.rms_norm_eps)
         out = we["model.embed_tokens.weight"] if self.mcfg.tie_word_embeddings else wh["lm_head.weight"]
         logits = torch.nn.functional.linear(h, out).float().cpu().numpy()
@@ -447,7 +458,7 @@ class GpuWorker:
         return logits
 
     @torch.no_grad()
-    def _forward_only(self, step: int, inputs: list) -> tuple[list, dict, dict]:
+    def _forward_only(self, step: int, inputs: list, packs: list) -> tuple[list, dict, dict]:
         """Final hidden states of each input through every block, with step ``step``'s weights;
         also the head's and the embedding's bound weights, still resident: the caller
         releases those two slots once it has used them."""
@@ -459,6 +470,6 @@ class GpuWorker:
             slots.ready(slots.stage(u, step, timer, clock), timer)
             _, w = slots.weights(u, grad=False)
             if u <= self.L:
-                xs = [block_forward(w, x, self.rope, self.mcfg) for x in xs]
+                xs = [block_forward(w, x, self.rope, self.mcfg, pk=pk) for x, pk in zip(xs, packs)]
                 slots.release(u)
         return xs, w, we

@@ -141,16 +141,31 @@ def breakdown(m: dict) -> dict:
                            "optimizer_update_s": m.get("optimizer_update_seconds_slowest_shard", 0.0)}}
 
 
-def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = None, seed: int = 0) -> dict:
+def document_ids(rng, shape: tuple, mean_len: int) -> np.ndarray:
+    """Each token's document, int32 ``shape`` [..., row]: rows cut into documents of
+    exponentially distributed lengths (mean ``mean_len``, at least 1), as packed rows are."""
+    rows = np.empty(shape, np.int32).reshape(-1, shape[-1])
+    for r in rows:
+        starts = np.cumsum(np.maximum(1, rng.exponential(mean_len, shape[-1]).astype(np.int64)))
+        r[:] = np.searchsorted(starts, np.arange(shape[-1]), side="right")
+    return rows.reshape(shape)
+
+
+def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = None, seed: int = 0,
+          documents: int | None = None) -> dict:
     """Train ``cfg.train.steps`` steps of random tokens with megaray, then the same batches
-    with the GPU-resident baseline from megaray's initial weights."""
+    with the GPU-resident baseline from megaray's initial weights. With ``documents`` (a mean
+    length) the rows are packed documents under document attention for megaray (the
+    baseline stays causal)."""
     t, steps = cfg.train, cfg.train.steps
     tokens_per_step = t.tokens_per_step
     rng = np.random.default_rng(seed)
     batches = [rng.integers(0, cfg.model.vocab_size, (t.grad_accum, t.micro_batch_size, t.seq_len + 1))
                for _ in range(steps)]
+    docs = [document_ids(rng, b.shape, documents) for b in batches] if documents else None
     flops = flops_per_step(cfg.model, tokens_per_step, t.seq_len)
     out: dict = {"shape": cfg.model.shape, "params": cfg.model.num_params(), "seq_len": t.seq_len,
+                 "attention": f"document (mean length {documents})" if documents else "causal",
                  "tokens_per_step": tokens_per_step, "micro_batch": t.micro_batch_size, "grad_accum": t.grad_accum,
                  "shards": cfg.optim.num_shards, "threads_per_shard": cfg.optim.threads_per_shard}
     ms = []
@@ -160,7 +175,7 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
         state = s.state_dict() if baseline else None
         out["state_dict_s"] = time.perf_counter() - t0
         for i, b in enumerate(batches):
-            ms.append(s.train_step(i, b))
+            ms.append(s.train_step(i, {"tokens": b, "doc": docs[i]} if docs else b))
             m = ms[-1]       # now, so that a long step measured is not lost to a later failure
             print(f"megaray step {i}: {m['step_time_seconds']:.3f} s, {flops / m['step_time_seconds'] / 1e12:.1f} "
                   f"TFLOP/s, loss {m['loss']:.4f}, GPU peak {m.get('worker/gpu_peak_bytes', 0) / 2**30:.2f} GiB, "
@@ -259,7 +274,7 @@ def print_table(r: dict) -> None:
           f"({r['grad_accum']} x {r['micro_batch']} x {r['seq_len']}), "
           f"{r['shards']} shards x {r['threads_per_shard']} threads, "
           f"{r['host_bytes_per_param']:.2f} host bytes/param, "
-          + describe_placement(r.get("resident_units", 0)))
+          + describe_placement(r.get("resident_units", 0)) + f", {r.get('attention', 'causal')} attention")
     print(f"  megaray : {m['step_s']:.3f} s/step  {m['tflops']:.1f} TFLOP/s  {m['tokens_per_s']:.0f} tok/s  "
           f"GPU peak {m['gpu_peak_gib']:.1f} GiB")
     b = r.get("baseline")

@@ -99,8 +99,16 @@ class TrainConfig:
     """Micro-batches in one evaluation."""
     max_skipped_steps: int = 5
     """Consecutive steps with a non-finite loss or gradient after which the run stops."""
+    attention: str = "auto"
+    """Attention inside a packed row: 'causal' (every token sees all earlier tokens of the
+    row, across documents), 'document' (each token sees only its own document's earlier
+    tokens, and positions restart at each document: needs shards that record document
+    boundaries, ``megaray prepare`` since session 7), or 'auto' (the default: 'document' for
+    SFT shards that record boundaries, 'causal' otherwise; the run says which at start)."""
 
     def __post_init__(self):
+        if self.attention not in ("auto", "causal", "document"):
+            raise ConfigError("train.attention", f"must be auto, causal or document (got {self.attention!r})")
         for key in ("steps", "micro_batch_size", "grad_accum", "seq_len", "loss_chunk_tokens", "mlp_chunk_tokens",
                     "log_every"):
             if getattr(self, key) < 1:
@@ -429,6 +437,9 @@ class RunConfig:
         has_tokenizer = self.model.from_path and os.path.isfile(os.path.join(self.model.from_path, "tokenizer.json"))
         if self.data.source == "stdlib" and self.model.vocab_size < 256 and not has_tokenizer:
             raise ConfigError("model.vocab_size", "byte-level data needs vocab_size >= 256")
+        if self.train.attention == "document" and self.data.source != "shards":
+            raise ConfigError("train.attention", "document attention needs data.source: shards (prepared shards "
+                                                 f"record where documents start; got data.source={self.data.source})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

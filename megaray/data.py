@@ -112,7 +112,21 @@ def open_source(cfg: RunConfig):
 
 
 def split_batch(batch):
-    """(tokens, loss_mask or None) of a batch: a token array, or {"tokens", "loss_mask"}."""
+    """(tokens, loss_mask or None, doc or None) of a batch: a token array, or {"tokens",
+    "loss_mask", "doc"} (``doc``: each token's document within its row, with document attention)."""
     if isinstance(batch, dict):
-        return batch["tokens"], batch.get("loss_mask")
-    return batch, None
+        return batch["tokens"], batch.get("loss_mask"), batch.get("doc")
+    return batch, None, None
+
+
+def targets_kept(batch) -> np.ndarray | None:
+    """Which targets (tokens 1.. of each row) the loss counts, bool [..., seq_len], or None
+    for all: those the loss mask marks, and with document attention none that begins a new
+    document (a document alone has no token before its first to predict it from)."""
+    _, mask, doc = split_batch(batch)
+    keep = None if mask is None else np.asarray(mask)[..., 1:] != 0
+    if doc is not None:
+        d = np.asarray(doc)
+        same = d[..., 1:] == d[..., :-1]
+        keep = same if keep is None else keep & same
+    return keep

@@ -41,7 +41,9 @@ class ShardDataset:
                             f"vocab_size {vocab_size}")
         self.vocab_size, self.seed, self.shuffle = vocab_size, seed, shuffle
         self.S1 = seq_len + 1
-        self._blocks: list[tuple[int, str, int, np.ndarray, np.ndarray]] = []   # (first row, file, row in file, t, m)
+        self.has_documents = m.get("document_starts") is True      # shards of megaray prepare since session 7
+        # (first row, file, row in file, tokens, mask, (starts offsets, starts values) or None)
+        self._blocks: list[tuple[int, str, int, np.ndarray, np.ndarray, tuple | None]] = []
         row = 0
         for sh in m["shards"]:
             f = self.path / sh["file"]
@@ -54,7 +56,11 @@ class ShardDataset:
                         continue
                     t = batch.column("tokens").values.to_numpy(zero_copy_only=True).reshape(-1, self.S1)
                     mk = batch.column("mask").values.to_numpy(zero_copy_only=True).reshape(-1, self.S1)
-                    self._blocks.append((row, sh["file"], in_file, t, mk))
+                    st = None
+                    if self.has_documents:
+                        col = batch.column("starts")
+                        st = (col.offsets.to_numpy(zero_copy_only=False), col.values.to_numpy(zero_copy_only=True))
+                    self._blocks.append((row, sh["file"], in_file, t, mk, st))
                     row += batch.num_rows
                     in_file += batch.num_rows
             except (OSError, pa.ArrowInvalid, KeyError, ValueError) as e:
@@ -74,13 +80,30 @@ class ShardDataset:
 
     def describe(self) -> str:
         m = self.manifest
+        docs = ("document starts recorded" if self.has_documents else
+                "no document starts recorded (prepared before they were): attention crosses documents")
         return (f"{self.train_rows} train / {self.heldout_rows} held-out rows of {self.S1} tokens from {self.path} "
-                f"({m['kind']}, {m['tokenizer']} tokens)")
+                f"({m['kind']}, {m['tokenizer']} tokens; {docs})")
 
-    def _row(self, r: int) -> tuple[np.ndarray, np.ndarray, str]:
+    def attention(self, asked: str) -> tuple[str, str]:
+        """``train.attention`` resolved for these shards, and why: 'auto' is 'document' for SFT
+        shards that record document starts, else 'causal'; 'document' needs the starts."""
+        kind = self.manifest.get("kind")
+        if asked == "document" and not self.has_documents:
+            raise DataError(f"{self.path}: train.attention is document, but these shards record no document starts "
+                            "(prepared before megaray recorded them): prepare them again, or set "
+                            "train.attention=causal")
+        if asked == "auto":
+            asked = "document" if kind == "sft" and self.has_documents else "causal"
+            return asked, f"auto: {kind} shards" + ("" if self.has_documents else " without document starts")
+        return asked, "train.attention"
+
+    def _row(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, str]:
         k = int(np.searchsorted(self._starts, r, side="right")) - 1
-        first, file, in_file, t, mk = self._blocks[k]
-        return t[r - first], mk[r - first], f"{self.path / file} row {in_file + r - first}"
+        first, file, in_file, t, mk, st = self._blocks[k]
+        i = r - first
+        starts = st[1][st[0][i]:st[0][i + 1]] if st is not None else None
+        return t[i], mk[i], starts, f"{self.path / file} row {in_file + i}"
 
     def _train_row(self, p: int) -> int:
         e, i = divmod(p, self.train_rows)
@@ -90,9 +113,11 @@ class ShardDataset:
             self._perm = (e, np.random.default_rng([self.seed, e]).permutation(self.train_rows))
         return int(self._perm[1][i])
 
-    def rows_at(self, position: int, n: int, split: str = "train") -> dict:
+    def rows_at(self, position: int, n: int, split: str = "train", documents: bool = False) -> dict:
         """``n`` rows from ``position`` of the train stream (or of the held-out rows, in order)
-        as {"tokens": int64 [n, seq_len + 1], "loss_mask": uint8 [n, seq_len + 1]}."""
+        as {"tokens": int64 [n, seq_len + 1], "loss_mask": uint8 [n, seq_len + 1]}, and with
+        ``documents`` "doc": int32 [n, seq_len + 1], each token's document within its row
+        (0 for a row's leading continuation, then 1, 2, ... at each start)."""
         if split == "train":
             idx = [self._train_row(position + j) for j in range(n)]
         else:
@@ -101,13 +126,24 @@ class ShardDataset:
             idx = [self.train_rows + (position + j) % self.heldout_rows for j in range(n)]
         toks = np.empty((n, self.S1), np.int64)
         mask = np.empty((n, self.S1), np.uint8)
+        doc = np.empty((n, self.S1), np.int32) if documents else None
         for j, r in enumerate(idx):
-            t, mk, where = self._row(r)
+            t, mk, starts, where = self._row(r)
             if t.size and (int(t.max()) >= self.vocab_size or int(t.min()) < 0):
                 bad = int(t.max()) if int(t.max()) >= self.vocab_size else int(t.min())
                 raise DataError(f"{where}: token id {bad} is outside the model's vocabulary of {self.vocab_size}")
             toks[j], mask[j] = t, mk
-        return {"tokens": toks, "loss_mask": mask}
+            if doc is not None:
+                if starts is None:
+                    raise DataError(f"{where}: no document starts recorded")
+                if starts.size and (np.any(np.diff(starts) <= 0) or starts[0] < 0 or starts[-1] >= self.S1):
+                    raise DataError(f"{where}: document starts {starts.tolist()} are not increasing positions "
+                                    f"in a row of {self.S1}")
+                doc[j] = np.searchsorted(starts, np.arange(self.S1), side="right")
+        out = {"tokens": toks, "loss_mask": mask}
+        if doc is not None:
+            out["doc"] = doc
+        return out
 
 
 def _check_manifest(path: Path, m) -> None:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from megaray.config import ModelConfig, RunConfig
 from megaray.layout import build_layout
-from megaray.model import LOSS_ROWS, SDPA_GQA
+from megaray.model import LOSS_ROWS, SDPA_GQA, create_block_mask, packing_mask_bytes
 from megaray.schedule import NORM_CHUNK
 
 GiB = 2**30
@@ -150,7 +150,18 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
             sh.embed_numel * (4 + 8 + s) + n_res * sh.block_numel * per_block)
     if cast_slab_bytes:
         items["fp32 staging of the on-device cast"] = cast_slab_bytes
+    if document_attention_possible(cfg):    # every micro-batch's mask, positions and document ids, for the step
+        mb, seq = t.micro_batch_size, t.seq_len
+        items["document attention (masks, positions)"] = (sh.tokens // sh.micro_tokens) * (
+            packing_mask_bytes(mb, seq, flex=create_block_mask is not None) + 12 * mb * seq)
     return items
+
+
+def document_attention_possible(cfg: RunConfig) -> bool:
+    """Whether a run may attend by document: 'document', or 'auto' with shards (SFT shards
+    that record document starts resolve to it)."""
+    a = cfg.train.attention
+    return a == "document" or (a == "auto" and cfg.data.source == "shards")
 
 
 def loss_chunk_bytes(cfg: RunConfig) -> int:

@@ -9,12 +9,16 @@ Design choices:
 - The loss is a *sum* over target tokens, computed in chunks so the logits of a whole
   batch never exist at once; the caller divides by the step's token count, which makes
   gradient accumulation exact.
+- Packed rows may keep each document's attention to itself (``Packing``, ``train.attention``
+  document): positions restart at every document start, and the attention mask allows a
+  token only its own document's earlier tokens, as a row of one document would see them.
 
 This module imports neither Ray nor CUDA streams.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -240,13 +244,84 @@ def rope_tables(cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32
     return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
 
 
+try:        # torch >= 2.5: block-sparse fused attention with a mask function
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:       # pragma: no cover - torch 2.4
+    create_block_mask = flex_attention = None
+
+FLEX_BLOCK = 128          # FlexAttention's block size: its mask holds a few int32 per block pair
+_flex_compiled = None
+
+
+@dataclass(frozen=True)
+class Packing:
+    """One micro-batch's documents: each token's document within its row (``doc``, int32
+    [b, s], non-decreasing along a row), its position in that document (``pos``, where RoPE
+    restarts) and the attention mask that keeps a token to its own document's earlier tokens:
+    a FlexAttention block mask on CUDA (block-sparse, fused; never [s, s]), a dense boolean
+    [b, 1, s, s] mask for SDPA elsewhere (the CPU, tiny rows) or where FlexAttention is missing."""
+    doc: torch.Tensor
+    pos: torch.Tensor
+    mask: object
+
+    @property
+    def flex(self) -> bool:
+        return not isinstance(self.mask, torch.Tensor)
+
+
+def packing(doc: torch.Tensor) -> Packing:
+    """The Packing of a micro-batch from its tokens' document ids (int [b, s], on the device
+    the blocks run on)."""
+    doc = doc.to(torch.int32).contiguous()
+    b, s = doc.shape
+    first = torch.searchsorted(doc, doc, side="left")          # each token's document start
+    pos = torch.arange(s, device=doc.device).expand(b, s) - first
+    if doc.is_cuda and create_block_mask is not None:
+        def same_document_causal(bi, h, qi, ki):
+            return (doc[bi, qi] == doc[bi, ki]) & (qi >= ki)
+
+        mask = create_block_mask(same_document_causal, B=b, H=None, Q_LEN=s, KV_LEN=s, device=doc.device,
+                                 BLOCK_SIZE=FLEX_BLOCK)
+    else:
+        causal = torch.ones(s, s, dtype=torch.bool, device=doc.device).tril()
+        mask = ((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
+    return Packing(doc, pos, mask)
+
+
+def packing_mask_bytes(b: int, s: int, flex: bool) -> int:
+    """GPU bytes of one micro-batch's attention mask: FlexAttention's block mask (block
+    counts and indices, for the forward and the backward, partial and full blocks), or the
+    dense boolean mask."""
+    if not flex:
+        return b * s * s
+    n = -(-s // FLEX_BLOCK)
+    return 4 * 4 * b * n * (n + 1)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nh: int, nkv: int,
+               pk: Packing | None) -> torch.Tensor:
+    """Causal attention, or with ``pk`` each document's own: q [b, nh, s, hd], k, v [b, nkv, s, hd]."""
+    global _flex_compiled
+    if pk is not None and pk.flex:
+        if _flex_compiled is None:
+            _flex_compiled = torch.compile(flex_attention, dynamic=False)
+        return _flex_compiled(q, k, v, block_mask=pk.mask, enable_gqa=nkv != nh)
+    kw = {"attn_mask": pk.mask} if pk is not None else {"is_causal": True}
+    if nkv != nh and SDPA_GQA:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+    if nkv != nh:
+        k = k.repeat_interleave(nh // nkv, dim=1)
+        v = v.repeat_interleave(nh // nkv, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, heads, S, hd]; cos/sin: [S, hd]
+    # x: [B, heads, S, hd]; cos/sin: [S, hd], or [B, 1, S, hd] at each token's own position
     return x * cos + _rotate_half(x) * sin
 
 
@@ -255,8 +330,10 @@ def embed_forward(w: dict, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig, mlp_chunk: int | None = None,
-                  lean: bool = True) -> torch.Tensor:
-    """One decoder block: x + attn(norm(x)), then + mlp(norm(.)). x: [B, S, H].
+                  lean: bool = True, pk: Packing | None = None) -> torch.Tensor:
+    """One decoder block: x + attn(norm(x)), then + mlp(norm(.)). x: [B, S, H]. With ``pk``
+    (document attention) RoPE takes each token's position in its document and attention
+    stays inside each document.
 
     Grouped-query attention hands the kv heads to SDPA as they are where torch supports it
     (``enable_gqa``), never materializing the repeated keys and values; ``mlp_chunk`` see ``mlp``.
@@ -265,7 +342,10 @@ def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig, mlp_c
     autograd's for the same forward arithmetic; the bench's baseline runs ``lean=False``."""
     b, s, _ = x.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    cos, sin = rope[0][:s], rope[1][:s]
+    if pk is None:
+        cos, sin = rope[0][:s], rope[1][:s]
+    else:
+        cos, sin = rope[0][pk.pos].unsqueeze(1), rope[1][pk.pos].unsqueeze(1)
     eps = cfg.rms_norm_eps
     lean = lean and torch.is_grad_enabled()
     wqkv = [w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"), w["self_attn.k_proj.weight"],
@@ -283,13 +363,7 @@ def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig, mlp_c
     q = apply_rope(q.transpose(1, 2), cos.to(q.dtype), sin.to(q.dtype))
     k = apply_rope(k.transpose(1, 2), cos.to(k.dtype), sin.to(k.dtype))
     v = v.view(b, s, nkv, hd).transpose(1, 2)
-    if nkv != nh and SDPA_GQA:
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    else:
-        if nkv != nh:
-            k = k.repeat_interleave(nh // nkv, dim=1)
-            v = v.repeat_interleave(nh // nkv, dim=1)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    a = _attention(q, k, v, nh, nkv, pk)
     a = a.transpose(1, 2).reshape(b, s, nh * hd)
     x = x + F.linear(a, w["self_attn.o_proj.weight"])
     wn = w["post_attention_layernorm.weight"]

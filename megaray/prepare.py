@@ -10,13 +10,17 @@ Each record becomes one document:
 
 Packing: the documents of one prepare task are concatenated, each followed by the
 end-of-sequence token, and cut into rows of ``seq_len + 1`` tokens; the last row is padded
-and its padding is masked out of the loss. A row may hold the end of one document and the
-start of the next: attention crosses that boundary (the usual GPT-style packing, which keeps
-the fast causal attention kernel; the end-of-sequence token marks the boundary, and nothing
-is lost to padding). Each row carries a loss mask: ``mask[j] = 1`` when token j is a target.
+and its padding is masked out of the loss (the padding counts as a document of its own). A row
+may hold the end of one document and the start of the next. Each row carries a loss mask
+(``mask[j] = 1`` when token j is a target) and where documents start in it (``starts``), so a
+run may keep attention inside each document (``train.attention: document``) or let it cross
+the boundary (``causal``: the usual GPT-style packing; the end-of-sequence token marks it).
 
 Shards (read by ``megaray.dataset``) are Arrow IPC files (``shard-00000.arrow``, uncompressed, so training memory-maps
-them) with two fixed-size-list columns, ``tokens`` (int32) and ``mask`` (uint8).
+them) with two fixed-size-list columns, ``tokens`` (int32) and ``mask`` (uint8), and one list
+column, ``starts`` (int32: the positions in the row where a document begins; a row that
+begins inside a document does not list 0). Shards written before ``starts`` existed have no
+such column and the manifest no ``"document_starts": true``: they train with causal attention.
 ``manifest.json`` (written last, after the folder is complete) records the sequence length,
 the tokenizer, the vocabulary size, every shard's rows, the documents, tokens and skipped
 rows by reason, and how many of the last rows are held out for evaluation.
@@ -288,48 +292,60 @@ def run_task(task: Task, opts: PrepareOptions, out_dir: str) -> dict:
     S1 = opts.seq_len + 1
     cols = [opts.text_column] if opts.kind == "pretrain" else [opts.messages_column, opts.prompt_column,
                                                                  opts.response_column]
-    schema = pa.schema([("tokens", pa.list_(pa.int32(), S1)), ("mask", pa.list_(pa.uint8(), S1))])
+    schema = pa.schema([("tokens", pa.list_(pa.int32(), S1)), ("mask", pa.list_(pa.uint8(), S1)),
+                        ("starts", pa.list_(pa.int32()))])
     path = os.path.join(out_dir, f"shard-{task.index:05d}.arrow")
     stats = {"shard": os.path.basename(path), "rows": 0, "documents": 0, "tokens": 0, "skipped": {},
              "undecodable_bytes": 0}
     counts: dict = {}
     buf_t: list[np.ndarray] = []
     buf_m: list[np.ndarray] = []
+    buf_s: list[np.ndarray] = []          # 1 at each document's first token
     pending: list[tuple[list[tuple[str, bool]], str]] = []
     pending_bytes = 0
     carry_t = np.zeros(0, np.int32)
     carry_m = np.zeros(0, np.uint8)
+    carry_s = np.zeros(0, np.uint8)
 
     def write_rows(writer, final: bool):
-        nonlocal carry_t, carry_m
+        nonlocal carry_t, carry_m, carry_s
         t = np.concatenate([carry_t, *buf_t]) if buf_t else carry_t
         m = np.concatenate([carry_m, *buf_m]) if buf_m else carry_m
+        st = np.concatenate([carry_s, *buf_s]) if buf_s else carry_s
         buf_t.clear()
         buf_m.clear()
+        buf_s.clear()
         n = len(t) // S1
         if final and len(t) % S1:
             pad = S1 - len(t) % S1
             t = np.concatenate([t, np.full(pad, tok.eos_id, np.int32)])
             m = np.concatenate([m, np.zeros(pad, np.uint8)])
+            st = np.concatenate([st, np.eye(1, pad, dtype=np.uint8)[0]])     # the padding: a document of its own
             n += 1
         if n:
             rows_t = pa.FixedSizeListArray.from_arrays(pa.array(t[: n * S1]), S1)
             rows_m = pa.FixedSizeListArray.from_arrays(pa.array(m[: n * S1]), S1)
-            writer.write_batch(pa.record_batch([rows_t, rows_m], schema=schema))
+            rows_s = _starts_column(st[: n * S1].reshape(n, S1))
+            writer.write_batch(pa.record_batch([rows_t, rows_m, rows_s], schema=schema))
             stats["rows"] += n
-        carry_t, carry_m = t[n * S1:], m[n * S1:]
+        carry_t, carry_m, carry_s = t[n * S1:], m[n * S1:], st[n * S1:]
 
     def tokenize_pending(writer):
         nonlocal pending, pending_bytes
         texts = [text for segs, _ in pending for text, _ in segs]
         ids = iter(tok.encode(texts))
         for segs, _ in pending:
+            first = True
             for _, target in segs:
                 piece = np.asarray(next(ids), dtype=np.int32)
                 buf_t.append(piece)
                 buf_m.append(np.full(len(piece), 1 if target else 0, np.uint8))
+                buf_s.append(np.zeros(len(piece), np.uint8))
+                if first and len(piece):
+                    buf_s[-1][0], first = 1, False
             buf_t.append(np.array([tok.eos_id], np.int32))
             buf_m.append(np.array([1 if opts.kind == "pretrain" else 0], np.uint8))
+            buf_s.append(np.array([1 if first else 0], np.uint8))
             stats["documents"] += 1
         stats["tokens"] += sum(len(x) for x in buf_t)
         pending, pending_bytes = [], 0
@@ -355,12 +371,23 @@ def run_task(task: Task, opts: PrepareOptions, out_dir: str) -> dict:
         write_rows(writer, final=True)
         if stats["rows"] == 0:
             writer.write_batch(pa.record_batch([pa.array([], pa.list_(pa.int32(), S1)),
-                                                pa.array([], pa.list_(pa.uint8(), S1))], schema=schema))
+                                                pa.array([], pa.list_(pa.uint8(), S1)),
+                                                pa.array([], pa.list_(pa.int32()))], schema=schema))
     stats["undecodable_bytes"] = counts.get("undecodable_bytes", 0)
     stats["seconds"] = time.perf_counter() - t0
     stats["rss_growth_bytes"] = _rss_bytes() - rss0
     stats["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return stats
+
+
+def _starts_column(flags: np.ndarray):
+    """The ``starts`` list column of rows [n, S1] of document-start flags."""
+    import pyarrow as pa
+
+    rows, cols = np.nonzero(flags)
+    offsets = np.zeros(len(flags) + 1, np.int32)
+    np.cumsum(np.bincount(rows, minlength=len(flags)), out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(cols.astype(np.int32), pa.int32()))
 
 
 def _rss_bytes() -> int:
@@ -417,7 +444,7 @@ def prepare(inputs: list[str], out: str, opts: PrepareOptions, log=print, num_cp
         if rows == 0:
             raise DataError(f"{', '.join(inputs)}: no usable rows (skipped: {skipped or 'none'})")
         manifest = {
-            "format": "megaray-shards-1", "seq_len": opts.seq_len, "kind": opts.kind,
+            "format": "megaray-shards-1", "seq_len": opts.seq_len, "kind": opts.kind, "document_starts": True,
             "tokenizer": opts.tokenizer or "bytes", "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
             "rows": rows, "heldout_rows": min(rows - 1, math.ceil(rows * opts.holdout_fraction)),
             "documents": sum(s["documents"] for s in stats), "tokens": sum(s["tokens"] for s in stats),

@@ -299,6 +299,7 @@ class Trainer:
     def loop(self) -> None:
         cfg, s = self.cfg, self.summary
         log.info("data: %s", self.session.data_description)
+        log.info("attention: %s (train.attention)", self.session.attention)
         if not self.session.has_heldout:
             self.evaluator.enabled = False
             log.warning("the data holds no rows out (data.holdout_fraction, or prepare --holdout-fraction): "

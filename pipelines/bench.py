@@ -16,6 +16,8 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     p.add_argument("--shards", type=int, default=7)
     p.add_argument("--threads", type=int, default=2, help="threads per optimizer shard")
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--documents", type=int, metavar="MEAN_LEN",
+                   help="rows of packed documents of this mean length, under document attention")
     p.add_argument("--set", nargs="*", default=[], help="section.key=value for the megaray config")
     p.add_argument("--json", help="append the result as one JSON line to this file")
     p.add_argument("--checkpoint-dir", help="also time writing and loading one checkpoint here")
@@ -43,7 +45,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     cfg = bench_config(a.shape, a.seq, a.tokens, a.micro_batch, a.steps, a.shards, a.threads, extra)
     started = connect_ray(cfg)
     try:
-        r = bench(cfg, baseline=not a.no_baseline, checkpoint_dir=a.checkpoint_dir)
+        r = bench(cfg, baseline=not a.no_baseline, checkpoint_dir=a.checkpoint_dir, documents=a.documents)
         if a.optimizer_scaling:
             r["optimizer_scaling"] = optimizer_scaling(cfg, [int(n) for n in a.optimizer_scaling.split(",")])
         print_table(r)

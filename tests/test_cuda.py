@@ -153,3 +153,34 @@ def test_resident_units_on_the_gpu_equal_streamed_ones(gpu_ray, grads):
     for k in ref_w:
         err = np.linalg.norm(res_w[k] - ref_w[k]) / np.linalg.norm(ref_w[k])
         assert err < 1e-6, (k, err)
+
+
+def test_document_attention_on_the_gpu_equals_documents_alone():
+    """FlexAttention's block mask on CUDA (rows of 1024 tokens, documents across its
+    128-token blocks): output and gradients equal each document run alone with causal SDPA,
+    in fp32 (TF32 off)."""
+    from test_documents import documents_alone
+
+    from megaray.config import ModelConfig
+    from megaray.layout import bind, build_layout
+    from megaray.model import block_forward, init_unit, packing, rope_tables
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg = ModelConfig.from_shape("debug", qk_norm=True)
+    unit = build_layout(cfg)[1]
+    lengths = [[300, 5, 519, 200], [1024], [1, 127, 129, 767]]
+    doc = torch.stack([torch.cat([torch.full((n,), d) for d, n in enumerate(ls)]) for ls in lengths]).cuda()
+    pk = packing(doc)
+    assert pk.flex
+    flat = init_unit(unit, cfg, seed=0).cuda()
+    rope = rope_tables(cfg, 1024, device="cuda")
+    x = torch.randn(3, 1024, cfg.hidden_size, device="cuda")
+    dy = torch.randn_like(x)
+    w = flat.clone().requires_grad_()
+    xp = x.clone().requires_grad_()
+    y = block_forward(bind(w, unit), xp, rope, cfg, pk=pk)
+    gw, gx = torch.autograd.grad(y, [w, xp], dy)
+    y_ref, gx_ref, gw_ref = documents_alone(flat, unit, x, dy, lengths, rope, cfg)
+    torch.testing.assert_close(y.detach(), y_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gw, gw_ref, rtol=1e-3, atol=1e-4)

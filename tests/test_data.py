@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import shm_files
 
+from megaray.data import targets_kept
 from megaray.dataset import ShardDataset
 from megaray.errors import DataError
 from megaray.loader import load_config
@@ -108,6 +109,75 @@ def test_sft_masks_only_the_assistant_tokens(ray_cluster, tmp_path):
     assert text.startswith(b"<|user|>\n2+2?\n<|assistant|>\n4\x00\n\x00<|system|>\nbe brief\n<|user|>\nhi\n")
 
 
+def _strip_document_starts(src: Path, dst: Path) -> None:
+    """A copy of a shard folder as megaray prepare wrote it before it recorded document starts."""
+    dst.mkdir()
+    m = json.loads((src / "manifest.json").read_text())
+    del m["document_starts"]
+    for sh in m["shards"]:
+        table = pa.ipc.open_file(pa.memory_map(str(src / sh["file"]))).read_all().drop_columns(["starts"])
+        with pa.OSFile(str(dst / sh["file"]), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+            w.write_table(table)
+    (dst / "manifest.json").write_text(json.dumps(m))
+
+
+def test_document_starts_are_recorded_and_old_shards_still_train(ray_cluster, tmp_path):
+    """Every document's first token is listed in its row's ``starts`` (the padding's too),
+    read back with pyarrow; the reader's document ids follow them; 'auto' attention is
+    'document' for SFT shards and 'causal' for pretraining ones; shards written before the
+    starts existed load, say so, and train with causal attention, and refuse 'document'
+    naming the folder; an SFT run states its attention at start."""
+    from megaray.runner import train
+
+    docs = _docs(60)
+    _jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs])
+    out = tmp_path / "pre"
+    m = prepare([str(tmp_path / "d.jsonl")], str(out), PrepareOptions(seq_len=S, holdout_fraction=0.0),
+                log=lambda s: None)
+    assert m["document_starts"] is True
+    table = pa.ipc.open_file(pa.memory_map(str(out / m["shards"][0]["file"]))).read_all()
+    starts = table.column("starts").to_pylist()
+    offsets = np.cumsum([0] + [len(d.encode()) + 1 for d in docs])       # each document, then NUL
+    pad_at = offsets[-1]                                                    # the last row's padding
+    want = [[] for _ in starts]
+    for o in [*offsets[:-1], pad_at]:
+        if o < len(starts) * (S + 1):
+            want[o // (S + 1)].append(int(o % (S + 1)))
+    assert starts == want
+    ds = ShardDataset(str(out), S, 256, seed=0, shuffle=False)
+    doc = ds.rows_at(0, len(starts), documents=True)["doc"]
+    for r, st in enumerate(starts):
+        assert doc[r].tolist() == [sum(1 for x in st if x <= j) for j in range(S + 1)]
+    assert ds.attention("auto")[0] == "causal" and ds.attention("document")[0] == "document"
+
+    old = tmp_path / "old"
+    _strip_document_starts(out, old)
+    ds_old = ShardDataset(str(old), S, 256, seed=0, shuffle=False)
+    assert "no document starts recorded" in ds_old.describe()
+    assert ds_old.attention("auto")[0] == "causal"
+    with pytest.raises(DataError, match=f"{old}: train.attention is document, but these shards record no"):
+        ds_old.attention("document")
+    np.testing.assert_array_equal(ds_old.rows_at(0, 4)["tokens"], ds.rows_at(0, 4)["tokens"])
+    base = ["data.source=shards", f"train.seq_len={S}", "train.steps=2", "train.eval_batches=1",
+            "optim.num_shards=1", "checkpoint.every=0"]
+    run = train(load_config("debug", base + [f"data.path={old}", f"run.dir={tmp_path / 'r-old'}"]))
+    assert "attention: causal (auto: pretrain shards without document starts)" in (
+        Path(run["run_dir"]) / "train.log").read_text()
+
+    _jsonl(tmp_path / "sft.jsonl", [{"prompt": f"q{i}", "response": d} for i, d in enumerate(docs)])
+    prepare([str(tmp_path / "sft.jsonl")], str(tmp_path / "sft"), PrepareOptions(seq_len=S, kind="sft"),
+            log=lambda s: None)
+    # SFT loss masks are unchanged by document attention: a document's first token is never a target
+    sft = ShardDataset(str(tmp_path / "sft"), S, 256, seed=0, shuffle=False)
+    b = sft.rows_at(0, sft.train_rows, documents=True)
+    np.testing.assert_array_equal(targets_kept(b), b["loss_mask"][:, 1:] != 0)
+    assert (np.diff(b["doc"], axis=1) > 0).sum() >= 50                    # many documents start inside rows
+    run = train(load_config("debug", base + [f"data.path={tmp_path / 'sft'}", f"run.dir={tmp_path / 'r-sft'}"]))
+    assert "attention: document (auto: sft shards)" in (Path(run["run_dir"]) / "train.log").read_text()
+    assert all(np.isfinite(x["loss"]) for x in map(json.loads, (Path(run["run_dir"]) / "metrics.jsonl")
+                                                 .read_text().splitlines()))
+
+
 def test_shuffle_is_seeded_and_each_epoch_a_permutation(ray_cluster, tmp_path):
     _jsonl(tmp_path / "d.jsonl", [{"text": d} for d in _docs(200)])
     prepare([str(tmp_path / "d.jsonl")], str(tmp_path / "s"), PrepareOptions(seq_len=S, holdout_fraction=0.1),
@@ -192,7 +262,7 @@ def test_token_ids_outside_the_vocabulary_stop_the_run_naming_the_row(ray_cluste
     schema = table.schema
     with pa.OSFile(str(shard), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
         w.write_table(pa.table({"tokens": pa.FixedSizeListArray.from_arrays(pa.array(t.reshape(-1)), S + 1),
-                                "mask": table.column("mask")}, schema=schema))
+                                "mask": table.column("mask"), "starts": table.column("starts")}, schema=schema))
     cfg = load_config("debug", ["data.source=shards", f"data.path={out}", f"train.seq_len={S}", "train.steps=40",
                                 "data.shuffle=false", f"run.dir={tmp_path / 'runs'}", "optim.num_shards=1"])
     with pytest.raises(DataError, match=r"shard-00000.arrow row 3: token id 999 is outside the model's vocabulary"):

@@ -360,7 +360,7 @@ class GpuWorker:
         packs = [None] * toks.shape[0]
         if doc is not None:
             d = torch.from_numpy(np.asarray(doc)[..., :-1]).to(self.dev.device)
-            packs = [packing(d[m]) for m in range(d.shape[0])]
+            packs = [packing(d[m], self.mcfg.head_dim) for m in range(d.shape[0])]
         return toks[..., :-1], targets, packs
 
     # ------------------------------------------------------------------ outside training steps
@@ -448,7 +448,8 @@ class GpuWorker:
         """fp32 logits of a small batch [batch, seq] (tests and interop checks); with ``doc``
         (each token's document, [batch, seq]) under document attention."""
         step = self.slots.source.version()
-        pk = [packing(torch.from_numpy(np.asarray(doc)).to(self.dev.device))] if doc is not None else [None]
+        pk = ([packing(torch.from_numpy(np.asarray(doc)).to(self.dev.device), self.mcfg.head_dim)]
+              if doc is not None else [None])
         (h,), wh, we = self._forward_only(step, [torch.tensor(tokens, dtype=torch.int64).to(self.dev.device)], pk)
         h = rms_norm(h, wh["model.norm.weight"], self.mcfg.rms_norm_eps)
         out = we["model.embed_tokens.weight"] if self.mcfg.tie_word_embeddings else wh["lm_head.weight"]

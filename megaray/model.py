@@ -245,11 +245,12 @@ def rope_tables(cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32
 
 
 try:        # torch >= 2.5: block-sparse fused attention with a mask function
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 except ImportError:       # pragma: no cover - torch 2.4
-    create_block_mask = flex_attention = None
+    BlockMask = create_block_mask = flex_attention = None
 
 FLEX_BLOCK = 128          # FlexAttention's block size: its mask holds a few int32 per block pair
+FLEX_MIN_HEAD_DIM = 16    # its Triton kernels' smallest head
 _flex_compiled = None
 
 
@@ -269,23 +270,52 @@ class Packing:
         return not isinstance(self.mask, torch.Tensor)
 
 
-def packing(doc: torch.Tensor) -> Packing:
+def packing(doc: torch.Tensor, head_dim: int | None = None) -> Packing:
     """The Packing of a micro-batch from its tokens' document ids (int [b, s], on the device
-    the blocks run on)."""
+    the blocks run on). FlexAttention's kernels need heads of at least ``FLEX_MIN_HEAD_DIM``:
+    smaller ones (toy models) take the dense mask on CUDA too."""
     doc = doc.to(torch.int32).contiguous()
     b, s = doc.shape
     first = torch.searchsorted(doc, doc, side="left")          # each token's document start
     pos = torch.arange(s, device=doc.device).expand(b, s) - first
-    if doc.is_cuda and create_block_mask is not None:
-        def same_document_causal(bi, h, qi, ki):
-            return (doc[bi, qi] == doc[bi, ki]) & (qi >= ki)
-
-        mask = create_block_mask(same_document_causal, B=b, H=None, Q_LEN=s, KV_LEN=s, device=doc.device,
-                                 BLOCK_SIZE=FLEX_BLOCK)
+    if doc.is_cuda and create_block_mask is not None and (head_dim or FLEX_MIN_HEAD_DIM) >= FLEX_MIN_HEAD_DIM:
+        mask = document_block_mask(doc)
     else:
         causal = torch.ones(s, s, dtype=torch.bool, device=doc.device).tril()
         mask = ((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
     return Packing(doc, pos, mask)
+
+
+def document_block_mask(doc: torch.Tensor):
+    """FlexAttention's BlockMask of same-document causal attention, built from the documents'
+    block ranges (never from a [s, s] mask, which ``create_block_mask`` would materialize:
+    17 GB at 131,072 tokens). With ``doc`` non-decreasing along each row, kv block j < i
+    shares a document with q block i exactly when j's last document is i's first, and is
+    *full* (no element masked) when both blocks hold that one document alone; the diagonal
+    and blocks holding the row's end are always partial (masked element by element)."""
+    b, s = doc.shape
+    n = -(-s // FLEX_BLOCK)
+    padded = F.pad(doc, (0, n * FLEX_BLOCK - s), mode="replicate") if n * FLEX_BLOCK > s else doc
+    blocks = padded.view(b, n, FLEX_BLOCK)
+    first, last = blocks[..., 0], blocks[..., -1]                         # [b, n]
+    i = torch.arange(n, device=doc.device)
+    below = i[None, :, None] > i[None, None, :]                           # kv block j < q block i
+    shares = below & (last[:, None, :] == first[:, :, None])
+    whole = torch.ones(n, dtype=torch.bool, device=doc.device)
+    whole[-1] = n * FLEX_BLOCK == s
+    one_doc = (first == last) & whole                                    # [b, n]
+    full = shares & one_doc[:, :, None] & one_doc[:, None, :]
+    partial = (shares & ~full) | torch.eye(n, dtype=torch.bool, device=doc.device)
+
+    def as_kv(m):        # counts and indices (the listed blocks first, in order), [b, 1, n] and [b, 1, n, n]
+        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True)
+        return m.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+    def same_document_causal(bi, h, qi, ki):
+        return (doc[bi, qi] == doc[bi, ki]) & (qi >= ki)
+
+    return BlockMask.from_kv_blocks(*as_kv(partial), *as_kv(full), BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=same_document_causal, seq_lengths=(s, s))
 
 
 def packing_mask_bytes(b: int, s: int, flex: bool) -> int:
@@ -303,6 +333,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nh: int, nkv: 
     """Causal attention, or with ``pk`` each document's own: q [b, nh, s, hd], k, v [b, nkv, s, hd]."""
     global _flex_compiled
     if pk is not None and pk.flex:
+        if not q.is_cuda:       # eager (unfused) off the GPU: the tests' check of the block mask
+            return flex_attention(q, k, v, block_mask=pk.mask, enable_gqa=nkv != nh)
         if _flex_compiled is None:
             _flex_compiled = torch.compile(flex_attention, dynamic=False)
         return _flex_compiled(q, k, v, block_mask=pk.mask, enable_gqa=nkv != nh)

@@ -166,12 +166,12 @@ def test_document_attention_on_the_gpu_equals_documents_alone():
     from megaray.model import block_forward, init_unit, packing, rope_tables
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    cfg = ModelConfig.from_shape("debug", qk_norm=True)
+    cfg = ModelConfig.from_shape("debug", qk_norm=True, hidden_size=128, intermediate_size=256)   # heads of 32
     unit = build_layout(cfg)[1]
     lengths = [[300, 5, 519, 200], [1024], [1, 127, 129, 767]]
     doc = torch.stack([torch.cat([torch.full((n,), d) for d, n in enumerate(ls)]) for ls in lengths]).cuda()
-    pk = packing(doc)
-    assert pk.flex
+    pk = packing(doc, cfg.head_dim)
+    assert pk.flex and not packing(doc, 8).flex          # toy heads take the dense mask
     flat = init_unit(unit, cfg, seed=0).cuda()
     rope = rope_tables(cfg, 1024, device="cuda")
     x = torch.randn(3, 1024, cfg.hidden_size, device="cuda")

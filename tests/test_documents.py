@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaray import memory
+from megaray import memory, model
 from megaray.config import ModelConfig
 from megaray.errors import ConfigError
 from megaray.layout import bind, build_layout
@@ -100,3 +100,39 @@ def test_the_plan_counts_the_masks_and_the_config_names_the_key():
         load_config("debug", ["train.attention=document"])
     with pytest.raises(ConfigError, match="train.attention.*must be auto, causal or document"):
         load_config("debug", ["train.attention=sliding"])
+
+
+def test_the_flex_block_mask_is_create_block_masks_and_attends_by_document():
+    """``document_block_mask`` (built from block ranges, never a [s, s] mask) equals
+    FlexAttention's own ``create_block_mask`` of the same mask function, block by block and
+    full blocks apart, for rows of random documents, a row of one document and a ragged end;
+    and FlexAttention through it (eager, on the CPU) gives each document what it gets alone."""
+    create_block_mask = pytest.importorskip("torch.nn.attention.flex_attention").create_block_mask
+    g = torch.Generator().manual_seed(0)
+    for s in (1024, 1000, 300):
+        doc = torch.stack([torch.repeat_interleave(torch.arange(60), torch.randint(1, 300, (60,), generator=g))[:s]
+                           for _ in range(3)]).int()
+        doc[1] = 0
+
+        def same_document_causal(b, h, q, k, doc=doc):
+            return (doc[b, q] == doc[b, k]) & (q >= k)
+
+        ours = model.document_block_mask(doc)
+        ref = create_block_mask(same_document_causal, B=3, H=None, Q_LEN=s, KV_LEN=s, device="cpu", BLOCK_SIZE=128)
+        assert torch.equal(ours.to_dense(), ref.to_dense())
+        assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
+        assert ours.full_kv_num_blocks.sum() > 0                     # some blocks skip the element mask
+
+    cfg = ModelConfig.from_shape("debug", hidden_size=64, intermediate_size=128)      # heads of 16
+    unit = build_layout(cfg)[1]
+    lengths = [[100, 3, 200, 1], [304], [130, 130, 44]]
+    doc = torch.stack([_docs(n) for n in lengths])
+    pk = model.packing(doc)
+    flex = model.Packing(pk.doc, pk.pos, model.document_block_mask(pk.doc))
+    assert flex.flex and not pk.flex
+    flat = init_unit(unit, cfg, seed=0)
+    rope = rope_tables(cfg, 304)
+    x = torch.randn(3, 304, cfg.hidden_size, generator=g)
+    y = block_forward(bind(flat, unit), x, rope, cfg, pk=flex)
+    y_ref, _, _ = documents_alone(flat, unit, x, torch.zeros_like(x), lengths, rope, cfg)
+    torch.testing.assert_close(y, y_ref, rtol=2e-5, atol=2e-5)

@@ -16,6 +16,9 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     p.add_argument("--shards", type=int, default=7)
     p.add_argument("--threads", type=int, default=2, help="threads per optimizer shard")
     p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--attention-alone", metavar="SEQxBATCH,...",
+                   help="instead: one attention layer alone on the GPU, causal and by document (--documents, "
+                        "default 512), e.g. 2048x4,131072x1")
     p.add_argument("--documents", type=int, metavar="MEAN_LEN",
                    help="rows of packed documents of this mean length, under document attention")
     p.add_argument("--set", nargs="*", default=[], help="section.key=value for the megaray config")
@@ -26,6 +29,15 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     p.add_argument("--adamw-alone", metavar="PxT,...", help="instead: the CPU AdamW alone, for every state "
                    "combination, P processes x T threads each, e.g. 1x16,4x4,8x2,16x1 (no GPU needed)")
     a = p.parse_args(argv)
+    if a.attention_alone:
+        from megaray.bench_attention import print_rows, run
+
+        rows = run([tuple(int(x) for x in c.split("x")) for c in a.attention_alone.split(",")], a.documents or 512)
+        print_rows(rows)
+        if a.json:
+            with open(a.json, "a") as f:
+                f.write(json.dumps({"attention_alone": rows}) + "\n")
+        return 0
     if a.adamw_alone:
         from megaray.bench_adamw import print_rows, run
 

@@ -126,7 +126,6 @@ class GpuWorker:
         grads: list = [None] * len(self.units)
         sq: list = [None] * len(self.units)          # each unit's squared gradient norm, on the device
         acts, kept, nxt = self._forward(step, inputs, packs, timer, clock)
-        kept["packs"] = packs
         dys, g_embed, loss_sum, nxt = self._head(step, acts, kept, targets, inv_n, nxt, grads, sq, timer, clock)
         self._backward(step, inputs, acts, kept, dys, g_embed, nxt, grads, sq, timer, clock)
         out = self._decide_and_ship(step, grads, sq, loss_sum, timer, clock)
@@ -154,7 +153,8 @@ class GpuWorker:
         acts: list[list[torch.Tensor]] = [[None] * M for _ in range(L + 1)]
         keep_from = L - acts_policy.keep_count()
         n_off = acts_policy.offload_count(keep_from)
-        kept = {"blocks": {}, "keep_from": keep_from, "offloaded": n_off}  # block -> (flat, views, [(x, y)])
+        # blocks: block -> (flat, views, [(x, y)]); packs: each micro-batch's documents, for the recomputation
+        kept = {"blocks": {}, "keep_from": keep_from, "offloaded": n_off, "packs": packs}
         mlp_chunk = self.cfg.train.mlp_chunk_tokens
         with torch.no_grad(), clock.span(0):
             _, we = slots.weights(0, grad=False)

@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     pl = plan_for(cfg, machine)
     print(f"plan for {where}; gradients wait for the norm on the "
           f"{'GPU' if cfg.optim.grad_placement != 'host' else 'host'} (optim.grad_placement); "
-          f"{describe_placement(cfg.optim.resident_units)} of {cfg.model.num_hidden_layers} blocks "
-          f"(optim.placement {asked})")
+          f"{describe_placement(cfg.optim.resident_units)} (optim.placement {asked}; "
+          f"{cfg.model.num_hidden_layers} blocks)")
     print(pl.report(machine))
     for override, saved, per_param in savings(cfg):
         what = f"saves {saved / 2**30:.2f}" if saved >= 0 else f"needs {-saved / 2**30:.2f} more"

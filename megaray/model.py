@@ -17,6 +17,7 @@ This module imports neither Ray nor CUDA streams.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -251,6 +252,8 @@ except ImportError:       # pragma: no cover - torch 2.4
 
 FLEX_BLOCK = 128          # FlexAttention's block size: its mask holds a few int32 per block pair
 FLEX_MIN_HEAD_DIM = 16    # its Triton kernels' smallest head
+# torch < 2.6 builds a BlockMask only for whole blocks (no seq_lengths): rows of other lengths take the dense mask
+_FLEX_RAGGED = BlockMask is not None and "seq_lengths" in inspect.signature(BlockMask.from_kv_blocks).parameters
 _flex_compiled = None
 
 
@@ -278,7 +281,8 @@ def packing(doc: torch.Tensor, head_dim: int | None = None) -> Packing:
     b, s = doc.shape
     first = torch.searchsorted(doc, doc, side="left")          # each token's document start
     pos = torch.arange(s, device=doc.device).expand(b, s) - first
-    if doc.is_cuda and create_block_mask is not None and (head_dim or FLEX_MIN_HEAD_DIM) >= FLEX_MIN_HEAD_DIM:
+    if (doc.is_cuda and create_block_mask is not None and (head_dim or FLEX_MIN_HEAD_DIM) >= FLEX_MIN_HEAD_DIM
+            and (_FLEX_RAGGED or s % FLEX_BLOCK == 0)):
         mask = document_block_mask(doc)
     else:
         causal = torch.ones(s, s, dtype=torch.bool, device=doc.device).tril()
@@ -314,8 +318,9 @@ def document_block_mask(doc: torch.Tensor):
     def same_document_causal(bi, h, qi, ki):
         return (doc[bi, qi] == doc[bi, ki]) & (qi >= ki)
 
+    ragged = {"seq_lengths": (s, s)} if _FLEX_RAGGED else {}
     return BlockMask.from_kv_blocks(*as_kv(partial), *as_kv(full), BLOCK_SIZE=FLEX_BLOCK,
-                                    mask_mod=same_document_causal, seq_lengths=(s, s))
+                                    mask_mod=same_document_causal, **ragged)
 
 
 def packing_mask_bytes(b: int, s: int, flex: bool) -> int:

@@ -103,8 +103,9 @@ class TrainConfig:
     """Attention inside a packed row: 'causal' (every token sees all earlier tokens of the
     row, across documents), 'document' (each token sees only its own document's earlier
     tokens, and positions restart at each document: needs shards that record document
-    boundaries, ``megaray prepare`` since session 7), or 'auto' (the default: 'document' for
-    SFT shards that record boundaries, 'causal' otherwise; the run says which at start)."""
+    starts, as ``megaray prepare`` writes them; earlier versions did not), or 'auto' (the
+    default: 'document' for SFT shards that record starts, 'causal' otherwise; the run says
+    which at start)."""
 
     def __post_init__(self):
         if self.attention not in ("auto", "causal", "document"):

@@ -41,7 +41,7 @@ class ShardDataset:
                             f"vocab_size {vocab_size}")
         self.vocab_size, self.seed, self.shuffle = vocab_size, seed, shuffle
         self.S1 = seq_len + 1
-        self.has_documents = m.get("document_starts") is True      # shards of megaray prepare since session 7
+        self.has_documents = m.get("document_starts") is True      # earlier versions of prepare did not record them
         # (first row, file, row in file, tokens, mask, (starts offsets, starts values) or None)
         self._blocks: list[tuple[int, str, int, np.ndarray, np.ndarray, tuple | None]] = []
         row = 0

@@ -31,6 +31,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from megaray.attention import packing
 from megaray.buffers import DTYPES, Handles, RunBuffers
 from megaray.config import RunConfig
 from megaray.data import split_batch, targets_kept
@@ -42,7 +43,6 @@ from megaray.model import (
     embed_forward,
     head_loss_and_grads,
     head_loss_sum,
-    packing,
     rms_norm,
     rope_tables,
 )

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from megaray.model import document_block_mask, flex_attention
+from megaray.attention import document_block_mask, flex_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 24, 8, 128
 

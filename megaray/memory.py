@@ -34,9 +34,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megaray.attention import SDPA_GQA, create_block_mask, packing_mask_bytes
 from megaray.config import ModelConfig, RunConfig
 from megaray.layout import build_layout
-from megaray.model import LOSS_ROWS, SDPA_GQA, create_block_mask, packing_mask_bytes
+from megaray.model import LOSS_ROWS
 from megaray.schedule import NORM_CHUNK
 
 GiB = 2**30

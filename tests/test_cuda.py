@@ -161,9 +161,10 @@ def test_document_attention_on_the_gpu_equals_documents_alone():
     in fp32 (TF32 off)."""
     from test_documents import documents_alone
 
+    from megaray.attention import packing
     from megaray.config import ModelConfig
     from megaray.layout import bind, build_layout
-    from megaray.model import block_forward, init_unit, packing, rope_tables
+    from megaray.model import block_forward, init_unit, rope_tables
 
     torch.backends.cuda.matmul.allow_tf32 = False
     cfg = ModelConfig.from_shape("debug", qk_norm=True, hidden_size=128, intermediate_size=256)   # heads of 32

@@ -9,12 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaray import memory, model
+from megaray import attention, memory
+from megaray.attention import packing
 from megaray.config import ModelConfig
 from megaray.errors import ConfigError
 from megaray.layout import bind, build_layout
 from megaray.loader import load_config
-from megaray.model import block_forward, init_unit, packing, rope_tables
+from megaray.model import block_forward, init_unit, rope_tables
 
 SHAPES = {
     "llama-gqa": dict(shape="debug"),
@@ -117,7 +118,7 @@ def test_the_flex_block_mask_is_create_block_masks_and_attends_by_document():
         def same_document_causal(b, h, q, k, doc=doc):
             return (doc[b, q] == doc[b, k]) & (q >= k)
 
-        ours = model.document_block_mask(doc)
+        ours = attention.document_block_mask(doc)
         ref = create_block_mask(same_document_causal, B=3, H=None, Q_LEN=s, KV_LEN=s, device="cpu", BLOCK_SIZE=128)
         assert torch.equal(ours.to_dense(), ref.to_dense())
         assert torch.equal(ours.full_kv_num_blocks, ref.full_kv_num_blocks)
@@ -127,8 +128,8 @@ def test_the_flex_block_mask_is_create_block_masks_and_attends_by_document():
     unit = build_layout(cfg)[1]
     lengths = [[100, 3, 200, 1], [304], [130, 130, 44]]
     doc = torch.stack([_docs(n) for n in lengths])
-    pk = model.packing(doc)
-    flex = model.Packing(pk.doc, pk.pos, model.document_block_mask(pk.doc))
+    pk = attention.packing(doc)
+    flex = attention.Packing(pk.doc, pk.pos, attention.document_block_mask(pk.doc))
     assert flex.flex and not pk.flex
     flat = init_unit(unit, cfg, seed=0)
     rope = rope_tables(cfg, 304)

@@ -1,0 +1,126 @@
+"""Attention for the decoder blocks: causal, or each document's own in a packed row.
+
+``train.attention`` document gives every micro-batch a ``Packing``: each token's position in
+its own document (where RoPE restarts) and a mask that keeps it to its document's earlier
+tokens. On CUDA the mask is a FlexAttention block mask built from the documents' block ranges
+(``document_block_mask``: block-sparse and fused, never [s, s], so long rows keep working);
+on the CPU, for toy heads, or without FlexAttention (torch 2.4), a dense boolean mask for
+SDPA. Causal attention is SDPA's own (flash on CUDA).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# torch >= 2.5 takes grouped kv heads as they are (``enable_gqa``); SDPA is a builtin without
+# an inspectable signature, so its documented parameters tell.
+SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+try:        # torch >= 2.5: block-sparse fused attention with a mask function
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:       # pragma: no cover - torch 2.4
+    BlockMask = create_block_mask = flex_attention = None
+
+FLEX_BLOCK = 128          # FlexAttention's block size: its mask holds a few int32 per block pair
+FLEX_MIN_HEAD_DIM = 16    # its Triton kernels' smallest head
+# torch < 2.6 builds a BlockMask only for whole blocks (no seq_lengths): rows of other lengths take the dense mask
+_FLEX_RAGGED = BlockMask is not None and "seq_lengths" in inspect.signature(BlockMask.from_kv_blocks).parameters
+_flex_compiled = None
+
+
+@dataclass(frozen=True)
+class Packing:
+    """One micro-batch's documents: each token's document within its row (``doc``, int32
+    [b, s], non-decreasing along a row), its position in that document (``pos``, where RoPE
+    restarts) and the attention mask that keeps a token to its own document's earlier tokens:
+    a FlexAttention block mask on CUDA (block-sparse, fused; never [s, s]), a dense boolean
+    [b, 1, s, s] mask for SDPA elsewhere (the CPU, tiny rows) or where FlexAttention is missing."""
+    doc: torch.Tensor
+    pos: torch.Tensor
+    mask: object
+
+    @property
+    def flex(self) -> bool:
+        return not isinstance(self.mask, torch.Tensor)
+
+
+def packing(doc: torch.Tensor, head_dim: int | None = None) -> Packing:
+    """The Packing of a micro-batch from its tokens' document ids (int [b, s], on the device
+    the blocks run on). FlexAttention's kernels need heads of at least ``FLEX_MIN_HEAD_DIM``:
+    smaller ones (toy models) take the dense mask on CUDA too."""
+    doc = doc.to(torch.int32).contiguous()
+    b, s = doc.shape
+    first = torch.searchsorted(doc, doc, side="left")          # each token's document start
+    pos = torch.arange(s, device=doc.device).expand(b, s) - first
+    if (doc.is_cuda and create_block_mask is not None and (head_dim or FLEX_MIN_HEAD_DIM) >= FLEX_MIN_HEAD_DIM
+            and (_FLEX_RAGGED or s % FLEX_BLOCK == 0)):
+        mask = document_block_mask(doc)
+    else:
+        causal = torch.ones(s, s, dtype=torch.bool, device=doc.device).tril()
+        mask = ((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
+    return Packing(doc, pos, mask)
+
+
+def document_block_mask(doc: torch.Tensor):
+    """FlexAttention's BlockMask of same-document causal attention, built from the documents'
+    block ranges (never from a [s, s] mask, which ``create_block_mask`` would materialize:
+    17 GB at 131,072 tokens). With ``doc`` non-decreasing along each row, kv block j < i
+    shares a document with q block i exactly when j's last document is i's first, and is
+    *full* (no element masked) when both blocks hold that one document alone; the diagonal
+    and blocks holding the row's end are always partial (masked element by element)."""
+    b, s = doc.shape
+    n = -(-s // FLEX_BLOCK)
+    padded = F.pad(doc, (0, n * FLEX_BLOCK - s), mode="replicate") if n * FLEX_BLOCK > s else doc
+    blocks = padded.view(b, n, FLEX_BLOCK)
+    first, last = blocks[..., 0], blocks[..., -1]                         # [b, n]
+    i = torch.arange(n, device=doc.device)
+    below = i[None, :, None] > i[None, None, :]                           # kv block j < q block i
+    shares = below & (last[:, None, :] == first[:, :, None])
+    whole = torch.ones(n, dtype=torch.bool, device=doc.device)
+    whole[-1] = n * FLEX_BLOCK == s
+    one_doc = (first == last) & whole                                    # [b, n]
+    full = shares & one_doc[:, :, None] & one_doc[:, None, :]
+    partial = (shares & ~full) | torch.eye(n, dtype=torch.bool, device=doc.device)
+
+    def as_kv(m):        # counts and indices (the listed blocks first, in order), [b, 1, n] and [b, 1, n, n]
+        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True)
+        return m.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+    def same_document_causal(bi, h, qi, ki):
+        return (doc[bi, qi] == doc[bi, ki]) & (qi >= ki)
+
+    ragged = {"seq_lengths": (s, s)} if _FLEX_RAGGED else {}
+    return BlockMask.from_kv_blocks(*as_kv(partial), *as_kv(full), BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=same_document_causal, **ragged)
+
+
+def packing_mask_bytes(b: int, s: int, flex: bool) -> int:
+    """GPU bytes of one micro-batch's attention mask: FlexAttention's block mask (block
+    counts and indices, for the forward and the backward, partial and full blocks), or the
+    dense boolean mask."""
+    if not flex:
+        return b * s * s
+    n = -(-s // FLEX_BLOCK)
+    return 4 * 4 * b * n * (n + 1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nh: int, nkv: int,
+               pk: Packing | None) -> torch.Tensor:
+    """Causal attention, or with ``pk`` each document's own: q [b, nh, s, hd], k, v [b, nkv, s, hd]."""
+    global _flex_compiled
+    if pk is not None and pk.flex:
+        if not q.is_cuda:       # eager (unfused) off the GPU: the tests' check of the block mask
+            return flex_attention(q, k, v, block_mask=pk.mask, enable_gqa=nkv != nh)
+        if _flex_compiled is None:
+            _flex_compiled = torch.compile(flex_attention, dynamic=False)
+        return _flex_compiled(q, k, v, block_mask=pk.mask, enable_gqa=nkv != nh)
+    kw = {"attn_mask": pk.mask} if pk is not None else {"is_causal": True}
+    if nkv != nh and SDPA_GQA:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+    if nkv != nh:
+        k = k.repeat_interleave(nh // nkv, dim=1)
+        v = v.repeat_interleave(nh // nkv, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, **kw)

@@ -18,11 +18,7 @@ class DataFeeder:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.src = open_source(cfg)
-        if hasattr(self.src, "attention"):
-            self.attention, why = self.src.attention(cfg.train.attention)
-        else:                           # the byte corpus: no documents recorded (config rejects 'document')
-            self.attention, why = "causal", f"{cfg.train.attention}: {cfg.data.source} data"
-        self.attention_reason = why
+        self.attention, self.attention_reason = self.src.attention(cfg.train.attention)
 
     def __repr__(self) -> str:
         return f"DataFeeder({self.cfg.data.source}, {self.cfg.train.micro_batch_size} x {self.cfg.train.seq_len} rows)"
@@ -44,7 +40,6 @@ class DataFeeder:
         t = self.cfg.train
         G = micro_batches or t.grad_accum
         t0 = time.perf_counter()
-        docs = {"documents": True} if self.attention == "document" else {}
-        rows = self.src.rows_at(position, G * t.micro_batch_size, split, **docs)
+        rows = self.src.rows_at(position, G * t.micro_batch_size, split, documents=self.attention == "document")
         out = {k: v.reshape(G, t.micro_batch_size, -1) for k, v in rows.items()}
         return {"batch": out, "seconds": time.perf_counter() - t0}

@@ -101,8 +101,8 @@ class ResidentUnits:
         """The unit's pieces in one multi-tensor fused AdamW call per weight-decay group."""
         o = self.cfg.optim
         g = g.float()
-        if scale != 1.0:
-            g = g * scale
+        if scale != 1.0:        # in place: the step's gradient of this unit has no other reader left
+            g.mul_(scale)
         groups: dict[float, list] = {}
         for p in self.pieces[u]:
             self.steps[(u, p.start)] += 1

@@ -95,13 +95,18 @@ class Handles:
         """Units whose state lives in host memory (every unit but the resident ones)."""
         return tuple(u.index for u in self.units if u.index not in self.resident)
 
+    def unit_regions(self, kind: str) -> list[tuple[int, int]]:
+        """(byte offset, bytes) of each streamed unit's region of a per-unit file ('master',
+        'compute', 'grads'). A resident unit's region is never written, so the file stays
+        sparse there and takes no memory."""
+        offsets, dtype = {"master": (self.master_offsets, self.master_dtype),
+                          "compute": (self.compute_offsets, self.compute_dtype),
+                          "grads": (self.grad_offsets, self.grad_dtype)}[kind]
+        return [(offsets[u], align(self.units[u].numel * DTYPES[dtype].itemsize)) for u in self.streamed]
+
     def held_bytes(self, kind: str) -> int:
-        """Bytes of a per-unit file ('master', 'compute', 'grads') that hold data: the streamed
-        units' regions. A resident unit's region is never written, so the file stays sparse
-        there and takes no memory."""
-        size = {"master": DTYPES[self.master_dtype].itemsize, "compute": DTYPES[self.compute_dtype].itemsize,
-                "grads": DTYPES[self.grad_dtype].itemsize}[kind]
-        return sum(align(self.units[u].numel * size) for u in self.streamed)
+        """Bytes of a per-unit file that hold data: the streamed units' regions."""
+        return sum(n for _, n in self.unit_regions(kind))
 
     def unit_pieces(self, u: int) -> range:
         """Indices of unit u's pieces (consecutive, since pieces are cut in unit order)."""
@@ -187,14 +192,9 @@ class RunBuffers:
     def streamed_regions(self, kind: str) -> list[torch.Tensor]:
         """The byte ranges of a per-unit file that streamed units use (what the worker pins:
         pinning a resident unit's never-written region would make the kernel allocate it)."""
-        offsets = {"master": self.h.master_offsets, "compute": self.h.compute_offsets,
-                   "grads": self.h.grad_offsets}[kind]
-        size = {"master": DTYPES[self.h.master_dtype], "compute": DTYPES[self.h.compute_dtype],
-                "grads": DTYPES[self.h.grad_dtype]}[kind].itemsize
         if not self.h.resident:
             return [self.files[kind].bytes]
-        return [self.files[kind].bytes[offsets[u]:offsets[u] + align(self.h.units[u].numel * size)]
-                for u in self.h.streamed]
+        return [self.files[kind].bytes[at:at + n] for at, n in self.h.unit_regions(kind)]
 
     def piece_master(self, p: Piece) -> torch.Tensor:
         return self.master(p.unit)[p.start:p.stop]

@@ -390,6 +390,11 @@ class RunConfig:
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     @property
+    def resident_blocks(self) -> int:
+        """Blocks among the resident units (``optim.placement`` N: the embedding, then N - 1 blocks)."""
+        return min(self.model.num_hidden_layers, max(0, self.optim.resident_units - 1))
+
+    @property
     def host_compute_copy(self) -> bool:
         """Whether the store keeps a compute-dtype copy in shared memory (``optim.compute_copy``)."""
         if self.train.compute_dtype == self.optim.master_dtype:

@@ -63,7 +63,7 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
     L = m.num_hidden_layers
     block = units[1].numel if L else 0
     embed_res = o.resident_units >= 1
-    res = min(L, max(0, o.resident_units - 1))          # resident blocks
+    res = cfg.resident_blocks
     res_numel = res * block + (units[0].numel if embed_res else 0)
     streamed = n - res_numel
     tflops = speeds.gpu_tflops * 1e12

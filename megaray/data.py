@@ -82,9 +82,15 @@ class ByteCorpus:
                             f"vocabulary of {vocab_size}")
         return tokens
 
-    def rows_at(self, position: int, n: int, split: str = "train") -> dict:
+    def attention(self, asked: str) -> tuple[str, str]:
+        """``train.attention`` for this corpus: causal (it records no documents; the config
+        refuses 'document' with it)."""
+        return "causal", f"{asked}: the standard library's bytes record no documents"
+
+    def rows_at(self, position: int, n: int, split: str = "train", documents: bool = False) -> dict:
         """``n`` windows of seq_len + 1 tokens for stream position ``position``:
-        {"tokens": int64 [n, seq_len + 1]}, every token a target."""
+        {"tokens": int64 [n, seq_len + 1]}, every token a target (``documents`` is never
+        asked of it: ``attention`` is causal)."""
         src = self.train if split == "train" else self.heldout
         if len(src) <= self.seq_len + 1:
             raise DataError(f"the {split} corpus ({len(src)} tokens) is shorter than train.seq_len + 1")
@@ -103,8 +109,8 @@ class ByteCorpus:
 
 
 def open_source(cfg: RunConfig):
-    """The configured data source: something with ``rows_at(position, n, split)``,
-    ``has_heldout()`` and ``describe()``."""
+    """The configured data source: something with ``rows_at(position, n, split, documents)``,
+    ``attention(asked)``, ``has_heldout()`` and ``describe()``."""
     if cfg.data.source == "shards":
         return ShardDataset(cfg.data.path, cfg.train.seq_len, cfg.model.vocab_size, cfg.run.seed, cfg.data.shuffle)
     return ByteCorpus(cfg.data, model_tokenizer(cfg.model.from_path), cfg.model.vocab_size, cfg.train.seq_len,

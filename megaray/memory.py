@@ -126,8 +126,10 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
             best = (total, on_gpu_inputs, alive_kept, j)
     _, n_inputs, n_kept, j = best
     mlp_chunk = min(t.mlp_chunk_tokens, sh.micro_tokens) * 3 * s * m.intermediate_size if sh.mlp_chunked else 0
+    embed_res = cfg.optim.resident_units >= 1        # a resident embedding is read where it lives: no slot
     items = {
-        "weight slots (embed, head, 2 blocks)": s * (sh.embed_numel + sh.head_numel + 2 * sh.block_numel),
+        ("weight slots (head, 2 blocks)" if embed_res else "weight slots (embed, head, 2 blocks)"):
+            s * ((0 if embed_res else sh.embed_numel) + sh.head_numel + 2 * sh.block_numel),
         "saved block inputs (at the peak)": n_inputs * sh.one_input,
         "gradient of the step's activations": sh.one_input,
         "fp32 gradients (at the peak)": grads_ends + grads_per_block * (L - j),
@@ -141,10 +143,8 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
         "gradient norm workspace (float64 chunk)": 8 * min(NORM_CHUNK, max(sh.block_numel, sh.head_numel,
                                                                              sh.embed_numel)),
     }
-    n_units = cfg.optim.resident_units
-    if n_units:     # fp32 master, two fp32 moments, the compute copy (in place of a slot)
-        n_res = min(L, n_units - 1)
-        items["weight slots (head, 2 blocks)"] = items.pop("weight slots (embed, head, 2 blocks)") - s * sh.embed_numel
+    if embed_res:   # fp32 master, two fp32 moments, the compute copy (in place of a slot)
+        n_res = cfg.resident_blocks
         # the embedding's gradient is among the ends' already; a block's, in host mode, waits for the update
         per_block = 4 + 8 + s + (0 if grads_on_device(cfg) else 4)
         items[f"resident units (embedding + {n_res} blocks: master, moments, copy)"] = (

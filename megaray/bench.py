@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import statistics
+import subprocess
 import time
 
 import numpy as np
@@ -229,10 +230,27 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
 def _await_gpu_memory(need: int, timeout_s: float = 60.0) -> None:
     """Wait until ``need`` bytes of GPU memory are free: killing the session's worker only
     asks Ray to end its process, and the baseline must not start while that process still
-    holds the GPU."""
+    holds the GPU. Asked of nvidia-smi, not of CUDA: this process has no CUDA context yet,
+    and making one on a full GPU fails (``cudaMemGetInfo``: out of memory, seen with a
+    127 GiB worker still exiting)."""
     t0 = time.perf_counter()
-    while torch.cuda.mem_get_info()[0] < need and time.perf_counter() - t0 < timeout_s:
-        time.sleep(0.2)
+    while _gpu_free_bytes() < need and time.perf_counter() - t0 < timeout_s:
+        time.sleep(0.5)
+
+
+def _gpu_free_bytes() -> int:
+    """Free memory of the first visible GPU; 0 while it cannot be read."""
+    dev = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits",
+                              f"--id={dev}"], capture_output=True, text=True, timeout=10, check=True)
+        return int(out.stdout.split()[0]) * 2**20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        pass
+    try:
+        return torch.cuda.mem_get_info()[0]
+    except (RuntimeError, AssertionError):    # torch.AcceleratorError is a RuntimeError; no CUDA build: an assertion
+        return 0
 
 
 def optimizer_scaling(cfg: RunConfig, counts: list[int], cores: int | None = None) -> list[dict]:

@@ -8,8 +8,8 @@ every micro-batch (less those offloaded to pinned host memory, ``worker.offload_
 the kept blocks' internals and their private weight copy (``worker.keep_activations``: the
 last K blocks are not recomputed in the backward); the step's fp32 gradients, held until the
 global norm is known; the gradient of the step's activations; the recomputation workspace
-of one micro-batch (one MLP chunk's for long sequences); the loss chunk's logits; the fp32
-staging slab of the on-device cast; and the CUDA context.
+of one micro-batch (one MLP chunk's, or the attention backward's, for long sequences); the
+loss chunk's logits; the fp32 staging slab of the on-device cast; and the CUDA context.
 
 The peak is found by walking the backward: block j's input and (if kept) internals are
 freed as its fp32 gradient appears, so the peak is the largest of (inputs still saved + kept
@@ -57,6 +57,24 @@ def block_internal_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, mlp_chunk
     attn = s * (2 * q + 2 * kv_saved) + 4 * cfg.num_attention_heads   # q, k, v, output (= o_proj input), lse
     mlp = 0 if mlp_chunked else 2 * s * i       # gate and up
     return norms + attn + mlp
+
+
+def attention_backward_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """One block's attention backward at its peak, per token (the MLP's backward has run and
+    freed its part): the saved q, k, v, output and log-sum-exp, the output's gradient, the
+    gradients of q, k and v, flash attention's fp32 accumulator for dq, and, with grouped
+    kv heads, k's and v's gradients per query head before they are summed per group. At
+    524,288 tokens (llama3b) this is 28 GiB, twice a chunked block's internals: a step the
+    model had planned at 118.7 GiB held 125.4, and one with fewer inputs offloaded ran out
+    allocating the 6 GiB accumulator."""
+    q = cfg.num_attention_heads * cfg.head_dim
+    kv = cfg.num_key_value_heads * cfg.head_dim
+    s = dtype_bytes
+    kv_saved = kv if SDPA_GQA or kv == q else q
+    saved = s * (2 * q + 2 * kv_saved) + 4 * cfg.num_attention_heads
+    grads = s * q + s * (q + 2 * kv_saved) + 4 * q     # d(output); dq, dk, dv; dq's fp32 accumulator
+    expanded = 2 * s * q if kv_saved != q else 0
+    return saved + grads + expanded
 
 
 @dataclass(frozen=True)
@@ -133,10 +151,12 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
         "saved block inputs (at the peak)": n_inputs * sh.one_input,
         "gradient of the step's activations": sh.one_input,
         "fp32 gradients (at the peak)": grads_ends + grads_per_block * (L - j),
-        # a recomputed block's internals, and its MLP backward's rebuilt silu(gate), the
-        # product's gradient and the gate's and up's gradients
-        "recomputation workspace (1 micro-batch)": sh.internal_per_token * sh.micro_tokens + (
-            mlp_chunk or 3 * s * m.intermediate_size * sh.micro_tokens),
+        # a recomputed block's internals with its MLP backward's rebuilt silu(gate), the
+        # product's gradient and the gate's and up's gradients; or, later, its attention's
+        # backward, whichever is larger (the attention's, for long chunked micro-batches)
+        "recomputation workspace (1 micro-batch)": max(
+            sh.internal_per_token * sh.micro_tokens + (mlp_chunk or 3 * s * m.intermediate_size * sh.micro_tokens),
+            attention_backward_bytes_per_token(m, s) * sh.micro_tokens),
         "loss chunk (logits, gradients)": loss_chunk_bytes(cfg),
         "kept blocks (internals + weights, at the peak)": n_kept * sh.kept_one,
         "CUDA context and allocator slack": CUDA_CONTEXT_BYTES,

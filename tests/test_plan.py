@@ -79,8 +79,16 @@ def test_llama3b_gpu_items_by_hand():
     big = 2 * 2 * 131072 * 3072
     assert plan(long).gpu["saved block inputs (at the peak)"] == 5 * big
     assert plan(long, offload=2).gpu["saved block inputs (at the peak)"] == 3 * big
-    assert plan(long).gpu["recomputation workspace (1 micro-batch)"] == (
-        131072 * (55400 - 2 * 2 * 8192 + 2 * 3072) + 32768 * 3 * 2 * 8192)   # the MLP in 32k-token chunks
+    # the MLP runs in 32k-token chunks, so the attention's backward is the larger workspace: the
+    # saved q, k, v, output and lse; d(output), dq, dk, dv; flash's fp32 dq accumulator; k's and
+    # v's gradients per query head (24 of them for 8 kv heads) before the sum per group
+    mlp_phase = 131072 * (55400 - 2 * 2 * 8192 + 2 * 3072) + 32768 * 3 * 2 * 8192
+    q, kv = 3072, 1024
+    attn_phase = 131072 * (2 * (2 * q + 2 * kv) + 4 * 24 + 2 * q + 2 * (q + 2 * kv) + 4 * q + 2 * 2 * q)
+    assert attn_phase == 131072 * 57440 > mlp_phase
+    assert plan(long).gpu["recomputation workspace (1 micro-batch)"] == attn_phase
+    # at 2k-token micro-batches the unchunked MLP's backward is the larger
+    assert plan(small).gpu["recomputation workspace (1 micro-batch)"] == 1024 * (55400 + 3 * 2 * 8192)
     kept = plan(cfg, keep=20)            # kept blocks are freed as the backward walks them
     assert kept.gpu["kept blocks (internals + weights, at the peak)"] == 20 * (
         55400 * 65536 + 2 * block)

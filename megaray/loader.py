@@ -148,7 +148,27 @@ def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] 
                                     "or name a shipped config: demo, debug")
     for item in overrides:
         apply_override(data, item)
-    return build_config(data)
+    return absolute_paths(build_config(data))
+
+
+# (section, field): the config's paths, resolved against the driver's folder
+PATHS = (("run", "dir"), ("model", "from_path"), ("data", "path"), ("cluster", "shm_dir"),
+         ("checkpoint", "dir"), ("checkpoint", "resume"))
+
+
+def absolute_paths(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with every path absolute (``~`` expanded), against the folder of the process
+    that read the config: a path means what it meant where the user typed the command. The
+    actors run elsewhere (a local Ray's workers start in an empty folder of their own:
+    ``megaray.runner.start_local_ray``), and the resolved ``config.yaml`` in the run
+    directory says exactly where everything is. ``checkpoint.resume: auto`` is not a path."""
+    changed: dict[str, dict[str, str]] = {}
+    for section, key in PATHS:
+        v = getattr(getattr(cfg, section), key)
+        if v is None or (key == "resume" and v == "auto"):
+            continue
+        changed.setdefault(section, {})[key] = os.path.abspath(os.path.expanduser(v))
+    return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **kv) for s, kv in changed.items()})
 
 
 def dump_config(cfg: RunConfig) -> str:

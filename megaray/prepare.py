@@ -398,18 +398,20 @@ def _rss_bytes() -> int:
 # ---------------------------------------------------------------------------- prepare
 def prepare(inputs: list[str], out: str, opts: PrepareOptions, log=print, num_cpus: int | None = None) -> dict:
     """Tokenize ``inputs`` into packed shards under ``out`` with Ray tasks; returns the manifest."""
-    out_p = Path(out)
+    out_p = Path(out).absolute()        # absolute: the tasks run in another folder
     if out_p.exists():
         raise DataError(f"{out}: already exists; prepare writes a new folder")
-    files = input_files(inputs)
+    files = [(kind, os.path.abspath(p)) for kind, p in input_files(inputs)]
     tasks = plan_tasks(files, int(opts.split_mb * 2**20))
     total_bytes = sum(os.path.getsize(p) for _, p in files)
     tmp = out_p.with_name(out_p.name + f".tmp-{os.getpid()}")
     tmp.mkdir(parents=True)
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
-                 object_store_memory=128 * 2**20, log_to_driver=False)
+        from megaray.runner import start_local_ray
+
+        start_local_ray(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                        object_store_memory=128 * 2**20, log_to_driver=False)
     t0 = time.perf_counter()
     try:
         # A fresh worker process per task (max_calls=1), so a task's memory is its own.

@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -56,9 +57,28 @@ def connect_ray(cfg: RunConfig) -> bool:
         ray.init(address=address, namespace="megaray", log_to_driver=True)
         return True
     needed = cfg.optim.num_shards * cfg.optim.threads_per_shard + cfg.worker.count * cfg.worker.threads
-    ray.init(address="local", num_cpus=cfg.cluster.num_cpus or max(needed, os.cpu_count() or 1),
-             object_store_memory=cfg.cluster.object_store_mb * 2**20, namespace="megaray")
+    start_local_ray(num_cpus=cfg.cluster.num_cpus or max(needed, os.cpu_count() or 1),
+                    object_store_memory=cfg.cluster.object_store_mb * 2**20, namespace="megaray")
     return True
+
+
+def start_local_ray(**kwargs) -> None:
+    """``ray.init(address="local", **kwargs)`` from an empty folder of megaray's own.
+
+    A local Ray starts its workers in the driver's folder and puts that folder first on their
+    import path. Launched from a source checkout's root, the workers would import the
+    checkout's ``megaray/`` (which has no ``actors/``: setup maps it there from the top-level
+    folder) in place of the installed package, and every actor would fail to import. The
+    config's paths are absolute by then (``megaray.loader.absolute_paths``), so the workers'
+    folder means nothing to a run."""
+    here = os.getcwd()
+    folder = Path(tempfile.gettempdir()) / f"megaray-{os.getuid()}" / "ray-workers"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chdir(folder)
+    try:
+        ray.init(address="local", **kwargs)
+    finally:
+        os.chdir(here)
 
 
 def dashboard_url() -> str:

@@ -5,9 +5,11 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import ray
+import yaml
 from conftest import shm_files
 
 from megaray.actors.session import NAMESPACE, TrainingSession
@@ -99,14 +101,19 @@ def test_stale_shared_memory_of_dead_runs_is_removed(tmp_path):
 
 
 def test_train_cli_runs_demo_in_a_fresh_process(tmp_path):
-    """`python -m megaray.pipelines.train` as `ray job submit` would run it (its own local Ray)."""
+    """`megaray train` in a fresh process (its own local Ray), launched from the source
+    checkout's root with a run folder relative to it: the workers do not import the
+    checkout's megaray/ (no actors/ in it) in place of the installed package, and the run
+    folder is where the user pointed, not under the workers' folder."""
+    root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    p = subprocess.run([sys.executable, "-m", "megaray.pipelines.train", "demo", "train.steps=3",
+    p = subprocess.run([str(Path(sys.executable).parent / "megaray"), "train", "demo", "train.steps=3",
                         "data.max_bytes=100000", "train.seq_len=32", "train.eval_batches=1",
-                        f"run.dir={tmp_path}", "cluster.num_cpus=4", "worker.threads=1"],
-                       capture_output=True, text=True, env=env, timeout=300)
+                        f"run.dir={os.path.relpath(tmp_path, root)}", "cluster.num_cpus=4", "worker.threads=1"],
+                       capture_output=True, text=True, env=env, timeout=300, cwd=root)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "finished; run directory" in p.stdout
     assert "step 3/3" in p.stderr
     (run_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("demo-")]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded"
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["dir"] == str(tmp_path)

@@ -263,27 +263,45 @@ def gpu_budget(cfg: RunConfig, machine: Machine) -> int | None:
 
 
 def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> RunConfig:
-    """The config with its 'auto' choices decided for ``machine``: ``optim.grad_placement``
-    (the device when the step fits its GPU that way, offloading inputs if it must, else host
-    memory), then ``optim.placement`` (the cost model's fastest number of resident units
-    within the GPU budget and host memory, ``choose_placement``; host without a GPU, or where
-    resident units cannot be: bf16 state, several workers, a remote worker)."""
-    gpu = gpu_budget(cfg, machine)
-    o = cfg.optim
-    if o.grad_placement == "auto":
-        choice = "device"
-        if gpu is not None:
-            on_device = replaced(cfg, "optim", grad_placement="device")
-            if plan_for(on_device, machine).gpu_total > gpu:
-                choice = "host"
-        cfg = replaced(cfg, "optim", grad_placement=choice)
+    """The config with its 'auto' choices decided for ``machine``, together:
+    ``optim.grad_placement`` and ``optim.placement``. For each home of the gradients (the
+    device, host memory) the placement is the cost model's fastest number of resident units
+    within the GPU budget and host memory (``choose_placement``; host without a GPU, or where
+    resident units cannot be: bf16 state, several workers, a remote worker); of the homes
+    with which the run fits, the faster predicted step wins, the device among equals (within
+    0.5%). Without a GPU the gradients stay with the worker (the device)."""
+    speeds = speeds or shard_speeds(cfg)
+    if cfg.optim.grad_placement == "auto":
+        gpu = gpu_budget(cfg, machine)
+        homes = [resolve(replaced(cfg, "optim", grad_placement=g), machine, speeds)
+                 for g in (("device", "host") if gpu is not None else ("device",))]
+        timed = [(step, c) for c in homes if (step := _fitting_step(c, machine, speeds, gpu)) is not None]
+        if not timed:               # nothing fits: the home that needs the least GPU, for the refusal
+            return homes[-1]
+        fastest = min(step for step, _ in timed)
+        return next(c for step, c in timed if step <= fastest * 1.005)
     if cfg.optim.placement == "auto":
+        gpu = gpu_budget(cfg, machine)
         res = 0
         if gpu is not None and can_be_resident(cfg):
-            rows = choose_placement(cfg, speeds or shard_speeds(cfg), gpu, cast_slab_bytes(cfg), machine.host_bytes)
+            rows = choose_placement(cfg, speeds, gpu, cast_slab_bytes(cfg), machine.host_bytes)
             res = best(rows)["resident"] if rows else 0
         cfg = replaced(cfg, "optim", placement=res or "host")
     return cfg
+
+
+def _fitting_step(cfg: RunConfig, machine: Machine, speeds: Speeds, gpu: int | None) -> float | None:
+    """The predicted step of a resolved config on ``machine``, or None when it does not fit
+    (with the inputs the worker would offload and the blocks it would keep)."""
+    p = plan_for(cfg, machine)
+    if shortfalls(p, machine):
+        return None
+    keep = 0
+    if gpu is not None:
+        slab = cast_slab_bytes(cfg)
+        offload = memory.offload_count(cfg, gpu, cast_slab_bytes=slab)
+        keep = memory.keep_count(cfg, gpu, offload, slab)
+    return predict(cfg, speeds, keep)["step_s"]
 
 
 def choose_placement(cfg: RunConfig, speeds: Speeds, budget_bytes: int, cast_slab_bytes: int,

@@ -28,7 +28,7 @@ from megaray.hf.export import export_checkpoint
 from megaray.layout import align, build_layout
 from megaray.loader import load_config
 from megaray.memory import GiB
-from megaray.plan import Machine, cast_slab_bytes, check, choose_placement, gpu_budget, plan, resolve
+from megaray.plan import Machine, best, cast_slab_bytes, check, choose_placement, gpu_budget, plan, resolve
 from megaray.runner import train
 
 BASE = ["train.grad_accum=2", "train.steps=3", "optim.num_shards=2", "optim.grad_slab_mib=0.01",
@@ -225,6 +225,31 @@ def test_auto_placement_is_the_fastest_that_fits():
     assert resolve(cfg, Machine(10**15, 10**15, None)).optim.placement == "host"
     bf16 = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, moment_dtype="bfloat16"))
     assert resolve(bf16, big).optim.placement == "host"
+
+
+def test_auto_chooses_where_gradients_live_with_the_placement():
+    """optim.grad_placement and optim.placement auto, chosen together: under a 24 GiB budget
+    the step's gradients held on the GPU leave room for no resident unit, while in host memory
+    they leave room for several, and that predicted step is the faster; with the whole GPU both
+    homes fit the same and the device (the exact sum on the GPU) is kept."""
+    over = ["model.shape=llama3b", "train.seq_len=2048", "train.micro_batch_size=4", "train.grad_accum=2",
+            "train.compute_dtype=bfloat16", "optim.num_shards=7", "optim.threads_per_shard=2"]
+    big = Machine(10**15, 10**15, 139 * GiB)
+    speeds = Speeds(cores=14)
+
+    def home(cfg, g):
+        c = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_placement=g))
+        rows = choose_placement(c, speeds, gpu_budget(c, big), cast_slab_bytes(c), big.host_bytes)
+        return best(rows)
+
+    capped = load_config("debug", [*over, "worker.gpu_memory_gib=24"])
+    dev, host = home(capped, "device"), home(capped, "host")
+    assert dev["resident"] == 0 < host["resident"] and host["step_s"] < dev["step_s"]
+    chosen = resolve(capped, big).optim
+    assert (chosen.grad_placement, chosen.placement) == ("host", host["resident"])
+    whole = load_config("debug", over)
+    assert resolve(whole, big).optim.grad_placement == "device"
+    assert home(whole, "device")["step_s"] <= home(whole, "host")["step_s"]
 
 
 def test_resident_units_take_no_host_memory(ray_cluster):

@@ -24,6 +24,11 @@ try:        # torch >= 2.5: block-sparse fused attention with a mask function
 except ImportError:       # pragma: no cover - torch 2.4
     BlockMask = create_block_mask = flex_attention = None
 
+try:        # torch >= 2.10: flash attention over documents given by cumulative lengths
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:       # pragma: no cover - older torch
+    varlen_attn = None
+
 FLEX_BLOCK = 128          # FlexAttention's block size: its mask holds a few int32 per block pair
 FLEX_MIN_HEAD_DIM = 16    # its Triton kernels' smallest head
 # torch < 2.6 builds a BlockMask only for whole blocks (no seq_lengths): rows of other lengths take the dense mask
@@ -95,6 +100,18 @@ def document_block_mask(doc: torch.Tensor):
     ragged = {"seq_lengths": (s, s)} if _FLEX_RAGGED else {}
     return BlockMask.from_kv_blocks(*as_kv(partial), *as_kv(full), BLOCK_SIZE=FLEX_BLOCK,
                                     mask_mod=same_document_causal, **ragged)
+
+
+def cumulative_lengths(doc: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A micro-batch's documents as flash varlen's cumulative lengths over its rows laid end
+    to end (int32 [documents + 1]; a document ends at its row's end even where the next row
+    starts with the same id), and the longest document."""
+    b, s = doc.shape
+    starts = torch.ones(b, s, dtype=torch.bool, device=doc.device)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    begin = torch.nonzero(starts.flatten()).flatten()
+    cu = torch.cat([begin, begin.new_tensor([b * s])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
 
 
 def packing_mask_bytes(b: int, s: int, flex: bool) -> int:

@@ -1,7 +1,9 @@
 """``megaray bench --attention-alone``: one attention layer's forward and backward alone, by
 kernel, on the worker's GPU: causal SDPA (flash), document attention through FlexAttention's
-block mask (what megaray runs) and through SDPA with a dense boolean mask (the other fused
-option that needs no new dependency; its [s, s] mask makes it impossible on long rows).
+block mask (what megaray runs), through flash attention's variable-length kernel over the
+documents' cumulative lengths (``torch.nn.attention.varlen``, torch >= 2.10: the rows laid end
+to end, each document its own sequence) and through SDPA with a dense boolean mask (its
+[s, s] mask makes it impossible on long rows). The candidates the choice of kernel rests on.
 
 Rows are packed documents of exponentially distributed lengths (``bench.document_ids``), the
 heads llama3b's (24 query heads, 8 kv heads, 128 wide), bf16. Each kernel runs ``reps`` times
@@ -9,13 +11,14 @@ after a warm-up (FlexAttention's compilation); the time is the median.
 """
 from __future__ import annotations
 
+import inspect
 import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from megaray.attention import document_block_mask, flex_attention
+from megaray.attention import cumulative_lengths, document_block_mask, flex_attention, varlen_attn
 
 HEADS, KV_HEADS, HEAD_DIM = 24, 8, 128
 
@@ -49,12 +52,42 @@ def _case(doc: torch.Tensor, flex, reps: int) -> dict:
     out = {"causal_s": _time(step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)),
                              reps),
            "flex_document_s": _time(step(lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True)), reps)}
+    if varlen_attn is not None:
+        try:
+            out.update(_varlen(q, k, v, dy, doc, reps))
+        except Exception as e:          # an API that changed between torch versions: say so, time the rest
+            out["varlen_document_error"] = f"{type(e).__name__}: {e}"
     if batch * seq * seq <= 2**31:       # the dense mask fits
         causal = torch.ones(seq, seq, dtype=torch.bool, device="cuda").tril()
         dense = ((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
         out["sdpa_dense_mask_s"] = _time(step(lambda: F.scaled_dot_product_attention(
             q, k, v, attn_mask=dense, enable_gqa=True)), reps)
     return out
+
+
+def _varlen(q, k, v, dy, doc: torch.Tensor, reps: int) -> dict:
+    """Flash varlen on the same tensors, laid out as it takes them ([tokens, heads, dim], as the
+    blocks' projections make them), with grouped kv heads as they are where its signature
+    takes them (``enable_gqa``), else repeated per query head (timed, and said)."""
+    batch, heads, seq, dim = q.shape
+    cu, longest = cumulative_lengths(doc)
+
+    def flat(t):
+        return t.detach().transpose(1, 2).reshape(batch * seq, t.shape[1], dim).clone().requires_grad_()
+
+    qf, kf, vf, dyf = flat(q), flat(k), flat(v), dy.transpose(1, 2).reshape(batch * seq, heads, dim)
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    native = "enable_gqa" in params
+    if native:
+        kw["enable_gqa"] = True
+
+    def go():
+        kk, vv = (kf, vf) if native else (kf.repeat_interleave(heads // kf.shape[1], 1),
+                                          vf.repeat_interleave(heads // vf.shape[1], 1))
+        torch.autograd.grad(varlen_attn(qf, kk, vv, cu, cu, longest, longest, **kw), [qf, kf, vf], dyf)
+
+    return {"varlen_document_s": _time(go, reps), "varlen_kv_heads": "grouped" if native else "repeated"}
 
 
 def run(cases: list[tuple[int, int]], mean_len: int, reps: int = 5, seed: int = 0) -> list[dict]:
@@ -78,6 +111,8 @@ def print_rows(rows: list[dict]) -> None:
     print("attention alone (llama3b heads, bf16, forward + backward, median s):")
     for r in rows:
         dense = f"{r['sdpa_dense_mask_s']:.4f}" if "sdpa_dense_mask_s" in r else "does not fit"
+        varlen = (f"{r['varlen_document_s']:.4f} (kv heads {r['varlen_kv_heads']})" if "varlen_document_s" in r
+                  else r.get("varlen_document_error", "not in this torch"))
         print(f"  seq {r['seq']:>7} x {r['batch']}: causal SDPA {r['causal_s']:.4f}, document FlexAttention "
-              f"{r['flex_document_s']:.4f}, document SDPA + dense mask {dense}; documents of mean "
-              f"{r['mean_doc_len']} keep {100 * r['pairs_kept']:.1f}% of causal's pairs")
+              f"{r['flex_document_s']:.4f}, document flash varlen {varlen}, document SDPA + dense mask "
+              f"{dense}; documents of mean {r['mean_doc_len']} keep {100 * r['pairs_kept']:.1f}% of causal's pairs")

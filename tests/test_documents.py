@@ -58,6 +58,17 @@ def test_positions_restart_at_each_document():
     assert pk.mask[0, 0, 7].nonzero().flatten().tolist() == [5, 6, 7]
 
 
+def test_cumulative_lengths_for_flash_varlen():
+    """The rows laid end to end: a document ends at its row's end, even where the next row
+    starts with the same id (row 1 continues row 0's document 1 here, as a long document cut
+    by the packer would)."""
+    doc = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 2, 3, 3]])
+    cu, longest = attention.cumulative_lengths(doc)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, 5, 7, 8, 10] and longest == 3
+    cu, longest = attention.cumulative_lengths(torch.stack([_docs(x) for x in LENGTHS]))
+    assert cu.tolist() == [0, 5, 14, 17, 34, 35, 41, 47, 51] and longest == 17
+
+
 @pytest.mark.parametrize("mlp_chunk", [None, 8], ids=["whole-mlp", "chunked-mlp"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("shape", list(SHAPES))

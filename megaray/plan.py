@@ -276,8 +276,9 @@ def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> R
         homes = [resolve(replaced(cfg, "optim", grad_placement=g), machine, speeds)
                  for g in (("device", "host") if gpu is not None else ("device",))]
         timed = [(step, c) for c in homes if (step := _fitting_step(c, machine, speeds, gpu)) is not None]
-        if not timed:               # nothing fits: the home that needs the least GPU, for the refusal
-            return homes[-1]
+        if not timed:               # nothing fits: the GPU where its memory suffices (as before), for the refusal
+            p = plan_for(homes[0], machine)
+            return homes[0] if gpu is None or p.gpu_total <= gpu else homes[-1]
         fastest = min(step for step, _ in timed)
         return next(c for step, c in timed if step <= fastest * 1.005)
     if cfg.optim.placement == "auto":

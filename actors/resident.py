@@ -35,7 +35,7 @@ from megaray.checkpoint import Checkpoint, PartWriter
 from megaray.config import RunConfig
 from megaray.hf.read import load_into
 from megaray.layout import cut_pieces
-from megaray.model import init_unit
+from megaray.model import init_param
 from megaray.schedule import lr_at
 
 from .device import Device
@@ -118,15 +118,19 @@ class ResidentUnits:
     # ------------------------------------------------------------------ weights, checkpoints
     def _initialize(self) -> None:
         """The resident masters as the store would have made them: from the Hugging Face
-        directory (``model.from``), else each unit from its own seeded generator."""
+        directory (``model.from``), else each parameter from its own seeded generator. One
+        parameter at a time passes through host memory (the largest: the embedding's, 2.9 GiB
+        for qwen14b), never a whole unit's or every resident unit's: the worker starts
+        before the shards take their moments, with the host nearly full (``session``)."""
         units, m = self.h.units, self.cfg.model
         if m.from_path:
-            host = {u: torch.empty(units[u].numel, dtype=torch.float32) for u in self.units}
-            load_into(units, host.__getitem__, m.from_path, only=set(self.units))
+            load_into(units, self.master.__getitem__, m.from_path, only=set(self.units))
         else:
-            host = {u: init_unit(units[u], m, self.cfg.run.seed) for u in self.units}
+            for u in self.units:
+                for s in units[u].params:
+                    self.master[u][s.offset:s.offset + s.numel].copy_(
+                        init_param(s, m, self.cfg.run.seed, torch.empty(s.numel, dtype=torch.float32)))
         for u in self.units:
-            self.master[u].copy_(host.pop(u))
             self.compute[u].copy_(self.master[u])
 
     def masters(self) -> dict[int, torch.Tensor]:
@@ -140,11 +144,12 @@ class ResidentUnits:
         w = PartWriter(Path(folder) / name)
         try:
             masters, moments = [], []
-            for u in self.units:
-                masters.append([u, 0, self.h.units[u].numel, w.write(self.master[u].cpu())])
+            for u in self.units:          # piece by piece: one piece at a time in host memory
                 for p in self.pieces[u]:
-                    at = w.write(self.m[u][p.start:p.stop].cpu())
-                    w.write(self.v[u][p.start:p.stop].cpu())
+                    sl = slice(p.start, p.stop)
+                    masters.append([u, p.start, p.stop, w.write(self.master[u][sl].cpu())])
+                    at = w.write(self.m[u][sl].cpu())
+                    w.write(self.v[u][sl].cpu())
                     moments.append([u, p.start, p.stop, self.steps[(u, p.start)], at])
             return {name: {**w.finish(), "master": masters, "moments": moments}}
         except BaseException:
@@ -155,20 +160,18 @@ class ResidentUnits:
         """The resident masters and moments from whichever parts hold their ranges (the
         store's and a shard's, when the checkpoint was written with them streamed)."""
         ck = Checkpoint(folder)
-        for u in self.units:
-            master = torch.empty(self.h.units[u].numel, dtype=torch.float32)
-            ck.read_range("master", u, 0, master.numel(), [master])
-            self.master[u].copy_(master)
-            self.compute[u].copy_(self.master[u])
+        for u in self.units:              # piece by piece, as written
             for p in self.pieces[u]:
-                m = torch.empty(p.numel, dtype=torch.float32)
-                v = torch.empty(p.numel, dtype=torch.float32)
+                master, m, v = (torch.empty(p.numel, dtype=torch.float32) for _ in range(3))
+                ck.read_range("master", u, p.start, p.stop, [master])
                 key = (u, p.start)
                 self.steps[key] = ck.read_range("moments", u, p.start, p.stop, [m, v])
                 if key in self.device_steps:
                     self.device_steps[key].fill_(float(self.steps[key]))
+                self.master[u][p.start:p.stop].copy_(master)
                 self.m[u][p.start:p.stop].copy_(m)
                 self.v[u][p.start:p.stop].copy_(v)
+            self.compute[u].copy_(self.master[u])
 
     def optimizer_state(self) -> dict:
         """Adam state by (unit, start) (tests)."""

@@ -68,6 +68,17 @@ def _gpu_free() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
+def cuda_allocator_env(environ=os.environ) -> dict[str, str]:
+    """The CUDA caching allocator's settings for a GPU worker: the driver's own
+    ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` when set (passed on, so that they
+    reach the worker on a cluster started elsewhere too), else expandable segments. The
+    default allocator splits fixed segments: the qwen14b step with bf16 moments ran out
+    with 11.5 GiB reserved but free, and a 524,288-token step with the 6 GiB accumulator of
+    flash attention's backward, both within the plan (BENCHMARKS.md, sessions 8 and 9)."""
+    mine = {k: environ[k] for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF") if environ.get(k)}
+    return mine or {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+
+
 class TrainingSession:
     def __init__(self, cfg: RunConfig, run_id: str | None = None):
         self.cfg = cfg
@@ -133,17 +144,16 @@ class TrainingSession:
         if cfg.worker.placement == "remote":
             relay = self._spawn(WeightRelay, "relay", cfg, self.handles, self.actor_name("relay"), max_concurrency=8)
         workers = self._spawn_workers(relay)
+        # The workers first: a resident unit's initial values pass through the worker's host
+        # memory (one parameter at a time) before the shards take and touch their moments.
+        self._ready([r for r in self.actors if r.startswith("worker")])
         shards = []
         for k, pieces in enumerate(assign_pieces(len(self.handles.pieces), o.num_shards, o.shard_layout)):
             role = f"optimizer-{k}"
             shards.append(self._spawn(shard_class(cfg), role, cfg, self.handles, pieces, self.actor_name(role),
                                       num_cpus=o.threads_per_shard))
         self._spawn_data()
-        for role, a in self.actors.items():         # constructor errors now, naming the actor
-            try:
-                ray.get(a.__ray_ready__.remote())
-            except ray.exceptions.RayError as e:
-                raise ActorFailure(self.actor_name(role), f"failed to start: {e}") from None
+        self._ready(list(self.actors))
         if len(workers) > 1:
             addr, port = ray.get(workers[0].rendezvous.remote())
             self._call([w.join_group.remote(addr, port) for w in workers], "worker")
@@ -157,6 +167,14 @@ class TrainingSession:
                  self.handles.num_units, len(self.handles.pieces), len(shards), kernel, self.handles.ring_slabs,
                  self.handles.slab_bytes / 2**20, len(workers), self.device,
                  describe_placement(len(self.handles.resident)))
+
+    def _ready(self, roles: list[str]) -> None:
+        """Wait for these actors' constructors; an error names the actor."""
+        for role in roles:
+            try:
+                ray.get(self.actors[role].__ray_ready__.remote())
+            except ray.exceptions.RayError as e:
+                raise ActorFailure(self.actor_name(role), f"failed to start: {e}") from None
 
     def _bundle(self) -> dict:
         cfg, o = self.cfg, self.cfg.optim
@@ -204,11 +222,12 @@ class TrainingSession:
         n = cfg.worker.count
         nodes = self._worker_nodes(n) if relay is not None else [None] * n
         workers = []
+        extra = {"runtime_env": {"env_vars": cuda_allocator_env()}} if self.device == "cuda" else {}
         for rank in range(n):          # rank 0 is "worker": it decides steps and ships gradients
             role = "worker" if rank == 0 else f"worker-{rank}"
             workers.append(self._spawn(worker_class(cfg), role, cfg, self.handles, self.device, self.actor_name(role),
                                        rank, n, relay, num_cpus=cfg.worker.threads,
-                                       num_gpus=1 if self.device == "cuda" else 0, node=nodes[rank]))
+                                       num_gpus=1 if self.device == "cuda" else 0, node=nodes[rank], **extra))
         return workers
 
     def _spawn_data(self) -> None:

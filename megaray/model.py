@@ -33,15 +33,21 @@ def init_unit(unit: UnitLayout, cfg: ModelConfig, seed: int) -> torch.Tensor:
     """Deterministic fp32 initialization of one unit, independent of sharding and order."""
     flat = torch.empty(unit.numel, dtype=torch.float32)
     for s in unit.params:
-        view = flat[s.offset:s.offset + s.numel]
-        if s.decay:
-            g = torch.Generator().manual_seed((seed * 1_000_003 + _stable_hash(s.name)) % (2**63))
-            view.normal_(0.0, cfg.initializer_range, generator=g)
-        elif s.name.endswith("bias"):
-            view.zero_()
-        else:
-            view.fill_(1.0)
+        init_param(s, cfg, seed, flat[s.offset:s.offset + s.numel])
     return flat
+
+
+def init_param(s, cfg: ModelConfig, seed: int, out: torch.Tensor) -> torch.Tensor:
+    """Parameter ``s``'s initial fp32 values into ``out`` (its own generator, seeded by its
+    name: a unit's parameters can be made one at a time, with the same values)."""
+    if s.decay:
+        g = torch.Generator().manual_seed((seed * 1_000_003 + _stable_hash(s.name)) % (2**63))
+        out.normal_(0.0, cfg.initializer_range, generator=g)
+    elif s.name.endswith("bias"):
+        out.zero_()
+    else:
+        out.fill_(1.0)
+    return out
 
 
 def _stable_hash(text: str) -> int:

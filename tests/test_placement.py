@@ -286,8 +286,9 @@ def test_the_gpu_worker_runs_expandable_segments_unless_the_user_chose_the_alloc
     as they are; otherwise expandable segments (fixed ones stranded 11.5 GiB of a 14B step)."""
     from megaray.actors.session import cuda_allocator_env
 
-    assert cuda_allocator_env({}) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
-    assert cuda_allocator_env({"PYTORCH_CUDA_ALLOC_CONF": ""}) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    default = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert cuda_allocator_env({}) == default
+    assert cuda_allocator_env({"PYTORCH_CUDA_ALLOC_CONF": ""}) == default
     assert cuda_allocator_env({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}) == {
         "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
     assert cuda_allocator_env({"PYTORCH_ALLOC_CONF": "expandable_segments:False", "HOME": "/x"}) == {

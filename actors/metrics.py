@@ -20,7 +20,7 @@ STEP_GAUGES = {   # per-step values: metrics.jsonl, TensorBoard train/<name>, ra
     "grad_norm": "Global gradient norm of the last step, before clipping (-1 for a skipped step)",
     "tokens_per_second": "Training tokens per second over the last step",
     "step_time_seconds": "Wall time of the last training step",
-    "tflops": "Model TFLOP/s of the last step (ARCHITECTURE.md formula)",
+    "tflops": "Model TFLOP/s of the last step (ARCHITECTURE.md formula; each document's own attention work)",
     "gpu_idle_seconds": "Time in the last step the GPU did no compute",
     "exposed_optimizer_seconds": "Time the worker waited for optimizer updates in the last step",
     "copy_in_gbps": "Host-to-device weight staging rate of the last step, GB/s",

@@ -34,7 +34,7 @@ import ray
 
 from megaray.buffers import Handles, RunBuffers
 from megaray.config import RunConfig
-from megaray.data import targets_kept
+from megaray.data import square_document_lengths, targets_kept
 from megaray.errors import ActorFailure
 from megaray.model import flops_per_step
 from megaray.schedule import lr_at
@@ -145,7 +145,8 @@ class Scheduler:
             "step": step + 1, "loss": res["loss_sum"] / max(res["tokens"], 1), "learning_rate": lr,
             "grad_norm": norm if finite else -1.0, "clip_coefficient": coef, "skipped": not finite,
             "tokens": res["tokens"], "step_time_seconds": dt, "tokens_per_second": res["tokens"] / dt,
-            "tflops": flops_per_step(self.cfg.model, tokens_per_step, self.cfg.train.seq_len) / dt / 1e12,
+            "tflops": flops_per_step(self.cfg.model, tokens_per_step, self.cfg.train.seq_len,
+                                     square_document_lengths(tokens)) / dt / 1e12,
             "gpu_idle_seconds": max(0.0, dt - res.get("compute_s", 0.0)),
             "exposed_optimizer_seconds": res.get("wait_optimizer_s", 0.0),
             "copy_in_gbps": res.get("copy_in_bytes", 0) / max(res.get("copy_in_s", 0), 1e-9) / 1e9,

@@ -7,7 +7,10 @@ takes about as long as the longest of them, plus one block's transfer before the
 compute can start. The terms:
 
 - compute: the model's FLOPs (ARCHITECTURE.md's formula) and, for every block that is not
-  kept, its forward again in the backward (a third of its share), at ``gpu_tflops``;
+  kept, its forward again in the backward (a third of its share): the matrix products
+  (6 x parameters x tokens) at the rate the H200 reached for the model's hidden size, the
+  attention (6 x layers x hidden x sequence x tokens) at flash attention's rate for the
+  sequence length (``compute_seconds``), or all of it at one ``gpu_tflops`` when given;
 - copy-in: every unit's weights once in the forward, and the recomputed blocks' again in the
   backward, in the dtype they cross the link (the host's bf16 copy, or the fp32 master cast
   on the GPU), at ``link_gbps``;
@@ -15,7 +18,7 @@ compute can start. The terms:
 - updates: every streamed parameter once, at the cores' AdamW rate for the run's state.
 
 The default speeds are megaray's own measurements on the reference machine (1x H200,
-16 cores; BENCHMARKS.md, sessions 4-5): compute rate as reached by llama3b/llama8b steps,
+16 cores; BENCHMARKS.md, sessions 4-9): compute rates as reached by llama1b/3b/8b steps,
 the pinned link, and the AdamW rates summed over 16 processes divided by 16, measured alone.
 While the worker streams, the shards reach less of it (``Speeds.update_share``): the copies
 share host memory's bandwidth with them, and the shards wait on the ring. Measured (session
@@ -25,11 +28,11 @@ hide under the compute anyway. The share is the small-step figure, where it deci
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megaray.config import RunConfig
 from megaray.layout import build_layout
-from megaray.model import flops_per_step
 
 # G params/s per core of the update (16 processes x 1 thread, summed, / 16): by
 # (master, moments, gradient) storage; the host's bf16 copy costs about 20% more.
@@ -38,13 +41,61 @@ ADAMW_PER_CORE = {("float32", "float32", "float32"): 6.2 / 16, ("float32", "floa
                   ("bfloat16", "bfloat16", "bfloat16"): 7.7 / 16}
 
 
+# bf16 TFLOP/s of the matrix products in a step's compute on the H200, by hidden size: the
+# measured compute seconds of llama1b and llama3b (seq 2048) and llama8b (seq 4096) steps at
+# 64k tokens, less their attention at ATTENTION_TFLOPS (BENCHMARKS.md, session 9). Larger
+# matrices run faster; beyond the measured sizes the nearest is taken, never extrapolated.
+MATMUL_TFLOPS = ((2048, 343.0), (3072, 394.0), (4096, 474.0))
+# flash attention's forward and backward, bf16 TFLOP/s by sequence length (llama3b's heads,
+# `megaray bench --attention-alone`, session 9: 281 at 2048, 495 at 16,384, 462 at 131,072),
+# interpolated in log2 of the length, the mean of the long ones beyond.
+ATTENTION_TFLOPS = ((2048, 281.0), (16384, 470.0))
+
+
+def _interpolate(table, x: float, log: bool = False) -> float:
+    """Linear in x (or in log2 x) between the table's points, the end values beyond them."""
+    f = math.log2 if log else float
+    if x <= table[0][0]:
+        return table[0][1]
+    for (x0, y0), (x1, y1) in zip(table, table[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (f(x) - f(x0)) / (f(x1) - f(x0))
+    return table[-1][1]
+
+
 @dataclass(frozen=True)
 class Speeds:
-    gpu_tflops: float = 380.0      # bf16 model TFLOP/s of a step's compute on an H200
+    gpu_tflops: float | None = None   # one bf16 TFLOP/s for all compute; None: the H200's rates by shape
     link_gbps: float = 53.7        # pinned host<->device GB/s, each direction
     cores: int = 16                # cores for the optimizer shards
     gpu_gbps: float = 4000.0       # the GPU's memory bandwidth reached by elementwise kernels
     update_share: float = 0.67     # of the AdamW rate measured alone, what the shards reach while the worker streams
+
+
+def rates(cfg: RunConfig, speeds: Speeds) -> tuple[float, float]:
+    """FLOP/s of the matrix products and of the attention for this model and sequence length:
+    MATMUL_TFLOPS by hidden size and ATTENTION_TFLOPS by sequence length, or both
+    ``speeds.gpu_tflops`` when given."""
+    if speeds.gpu_tflops:
+        return speeds.gpu_tflops * 1e12, speeds.gpu_tflops * 1e12
+    return (_interpolate(MATMUL_TFLOPS, cfg.model.hidden_size) * 1e12,
+            _interpolate(ATTENTION_TFLOPS, cfg.train.seq_len, log=True) * 1e12)
+
+
+def compute_seconds(cfg: RunConfig, speeds: Speeds, recomputed: int = 0) -> float:
+    """The GPU's seconds for a step's FLOPs (ARCHITECTURE.md's formula, causal attention's
+    work: document masking does less, which the plan cannot know in advance) and for
+    ``recomputed`` blocks' forwards again: the matrix products (6 x parameters x tokens, and
+    2 x a block's parameters x tokens per recomputed block) and the attention (6 x layers x
+    hidden x sequence x tokens, and 2 x hidden x sequence x tokens per recomputed block),
+    each at its rate (``rates``)."""
+    m, t = cfg.model, cfg.train
+    block = build_layout(m)[1].numel if m.num_hidden_layers else 0
+    tokens = t.tokens_per_step
+    matmul = 6.0 * m.num_params() * tokens + recomputed * 2.0 * block * tokens
+    attention = (6.0 * m.num_hidden_layers + 2.0 * recomputed) * m.hidden_size * t.seq_len * tokens
+    mm, attn = rates(cfg, speeds)
+    return matmul / mm + attention / attn
 
 
 def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
@@ -66,14 +117,11 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
     res = cfg.resident_blocks
     res_numel = res * block + (units[0].numel if embed_res else 0)
     streamed = n - res_numel
-    tflops = speeds.gpu_tflops * 1e12
-    block_flops = 6.0 * block * t.tokens_per_step + 6.0 * m.hidden_size * t.seq_len * t.tokens_per_step
     recomputed = max(0, L - keep)
-    flops = flops_per_step(m, t.tokens_per_step, t.seq_len)
     # resident updates on the device: 30 bytes a parameter (master, moments read and written,
     # the gradient read, the compute copy written) at the GPU's memory bandwidth
     resident_s = res_numel * 30 / (speeds.gpu_gbps * 1e9)
-    compute = (flops + recomputed * block_flops / 3) / tflops + resident_s
+    compute = compute_seconds(cfg, speeds, recomputed) + resident_s
     stream_bytes = 2 if cfg.host_compute_copy or o.master_dtype == "bfloat16" else 4
     copy_in = (streamed + max(0, L - keep - res) * block) * stream_bytes / (speeds.link_gbps * 1e9)
     copy_out = streamed * (2 if o.grad_dtype == "bfloat16" else 4) / (speeds.link_gbps * 1e9)
@@ -82,7 +130,8 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
     if cfg.host_compute_copy:
         rate /= 1.2
     updates = streamed / rate
-    f = block_flops / 3 / tflops                    # one block's forward
+    mm, attn = rates(cfg, speeds)                   # one block's forward:
+    f = 2.0 * t.tokens_per_step * (block / mm + m.hidden_size * t.seq_len / attn)
     done = 0.0 if embed_res else units[0].numel / rate   # the embedding's update, first
     clock = done
     for i in range(L):

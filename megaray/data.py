@@ -125,6 +125,22 @@ def split_batch(batch):
     return batch, None, None
 
 
+def square_document_lengths(batch) -> int | None:
+    """The sum over a batch's documents of their squared lengths in input tokens (a
+    document ends where its row ends), or None without document attention: what
+    ``model.flops_per_step`` counts the attention's work by."""
+    _, _, doc = split_batch(batch)
+    if doc is None:
+        return None
+    d = np.asarray(doc)[..., :-1]
+    rows = d.reshape(-1, d.shape[-1])
+    starts = np.ones(rows.shape, dtype=bool)
+    starts[:, 1:] = rows[:, 1:] != rows[:, :-1]
+    begin = np.flatnonzero(starts.ravel())
+    lengths = np.diff(np.append(begin, rows.size)).astype(np.int64)
+    return int((lengths * lengths).sum())
+
+
 def targets_kept(batch) -> np.ndarray | None:
     """Which targets (tokens 1.. of each row) the loss counts, bool [..., seq_len], or None
     for all: those the loss mask marks, and with document attention none that begins a new

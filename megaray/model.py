@@ -355,6 +355,11 @@ def head_loss_and_grads(w_head: dict, w_embed: dict | None, x: torch.Tensor, tar
     return loss, grads
 
 
-def flops_per_step(cfg: ModelConfig, tokens: int, seq_len: int) -> float:
-    """ARCHITECTURE.md's formula: 6 x params x tokens + 6 x layers x hidden x seq x tokens."""
-    return 6.0 * cfg.num_params() * tokens + 6.0 * cfg.num_hidden_layers * cfg.hidden_size * seq_len * tokens
+def flops_per_step(cfg: ModelConfig, tokens: int, seq_len: int, square_lengths: int | None = None) -> float:
+    """ARCHITECTURE.md's formula: 6 x params x tokens + 6 x layers x hidden x seq x tokens.
+    Under document attention the attention's term counts each document's own work:
+    ``square_lengths``, the sum of the step's documents' squared lengths
+    (``data.square_document_lengths``), in place of seq x tokens (a causal row is one
+    document of seq tokens: rows x seq^2 = seq x tokens)."""
+    pairs = seq_len * tokens if square_lengths is None else square_lengths
+    return 6.0 * cfg.num_params() * tokens + 6.0 * cfg.num_hidden_layers * cfg.hidden_size * pairs

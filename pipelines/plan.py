@@ -18,7 +18,9 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     p.add_argument("--cores", type=int, help="CPU cores for the optimizer shards (default: this machine's, or "
                                              "16 with --host-gib)")
     p.add_argument("--link-gbps", type=float, help="host<->GPU copy rate, GB/s each way (default 53.7: pinned, PCIe 5)")
-    p.add_argument("--gpu-tflops", type=float, help="the GPU's bf16 model TFLOP/s on a step (default 380: H200)")
+    p.add_argument("--gpu-tflops", type=float,
+                   help="one bf16 TFLOP/s for all of a step's compute (default: the H200's measured rates, "
+                        "343-474 for the matrix products by hidden size, 281-470 for attention by sequence length)")
     a = p.parse_args(argv)
     import os
 
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     else:
         machine = Machine.here(cfg.cluster.shm_dir, probe_gpu=cfg.worker.device != "cpu")
         where = "this machine"
-    speeds = Speeds(gpu_tflops=a.gpu_tflops or 380.0, link_gbps=a.link_gbps or 53.7,
+    speeds = Speeds(gpu_tflops=a.gpu_tflops, link_gbps=a.link_gbps or 53.7,
                     cores=a.cores or (16 if a.host_gib is not None else os.cpu_count() or 1))
     asked = cfg.optim.placement
     cfg = resolve(cfg, machine, speeds)

@@ -6,6 +6,7 @@ and fp32, for GQA, qk-norm and bias shapes. Positions restart at each document (
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,6 +68,25 @@ def test_cumulative_lengths_for_flash_varlen():
     assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, 5, 7, 8, 10] and longest == 3
     cu, longest = attention.cumulative_lengths(torch.stack([_docs(x) for x in LENGTHS]))
     assert cu.tolist() == [0, 5, 14, 17, 34, 35, 41, 47, 51] and longest == 17
+
+
+def test_document_work_counts_each_documents_own_pairs():
+    """TFLOP/s under document attention: the attention's term counts the documents' squared
+    lengths (input tokens: the last column is a target only), a row's end ending its document;
+    a causal row is one document of seq tokens, which is the causal formula again."""
+    from megaray.data import square_document_lengths
+    from megaray.model import flops_per_step
+
+    doc = np.array([[[0, 0, 1, 1, 1, 9], [1, 1, 2, 3, 3, 3]]])          # inputs: lengths 2, 3 | 2, 1, 2
+    batch = {"tokens": np.zeros_like(doc), "doc": doc}
+    assert square_document_lengths(batch) == 4 + 9 + 4 + 1 + 4
+    assert square_document_lengths(np.zeros((1, 2, 6), np.int64)) is None
+    whole = {"tokens": doc, "doc": np.zeros_like(doc)}
+    assert square_document_lengths(whole) == 2 * 5 * 5
+    cfg = ModelConfig.from_shape("debug")
+    n = cfg.num_params()
+    assert flops_per_step(cfg, 10, 5, square_document_lengths(batch)) == 6 * n * 10 + 6 * 2 * 32 * 22
+    assert flops_per_step(cfg, 10, 5, square_document_lengths(whole)) == flops_per_step(cfg, 10, 5)
 
 
 @pytest.mark.parametrize("mlp_chunk", [None, 8], ids=["whole-mlp", "chunked-mlp"])

@@ -174,3 +174,29 @@ def test_data_parallel_workers_each_plan_their_share():
     assert b.gpu["weight slots (embed, head, 2 blocks)"] == a.gpu["weight slots (embed, head, 2 blocks)"]
     assert b.host_private["actor processes"] - a.host_private["actor processes"] == PROCESS_BYTES
     assert b.shm == a.shm                                   # one store, whatever the workers
+
+
+def test_compute_time_by_shape_by_hand():
+    """cost.compute_seconds: the matrix products at the H200's rate for the hidden size, the
+    attention at flash attention's for the sequence length, recomputed blocks' forwards too;
+    one rate for all with --gpu-tflops."""
+    from megaray.cost import Speeds, compute_seconds, rates
+
+    def cfg(shape, seq):
+        return load_config("debug", [f"model.shape={shape}", f"train.seq_len={seq}", "train.micro_batch_size=1",
+                                     "train.grad_accum=4", "train.compute_dtype=bfloat16",
+                                     f"model.max_position_embeddings={max(seq, 2048)}"])
+
+    c = cfg("llama3b", 2048)
+    n, t = c.model.num_params(), 4 * 2048
+    block = 2 * 3072 + 3072 * 3072 + 2 * 3072 * 1024 + 3072 * 3072 + 3 * 3072 * 8192
+    assert rates(c, Speeds()) == (394e12, 281e12)                          # measured points
+    assert compute_seconds(c, Speeds()) == pytest.approx(6 * n * t / 394e12 + 6 * 28 * 3072 * 2048 * t / 281e12)
+    assert compute_seconds(c, Speeds(), recomputed=5) - compute_seconds(c, Speeds()) == pytest.approx(
+        5 * (2 * block * t / 394e12 + 2 * 3072 * 2048 * t / 281e12))
+    assert compute_seconds(c, Speeds(gpu_tflops=500)) == pytest.approx(
+        (6 * n * t + 6 * 28 * 3072 * 2048 * t) / 500e12)
+    # between the points: linear in the hidden size, linear in log2 of the length
+    assert rates(cfg("llama3b", 4096), Speeds())[1] == pytest.approx(281e12 + (470e12 - 281e12) / 3)
+    assert rates(cfg("llama1b", 1024), Speeds()) == (343e12, 281e12)       # below: the end values
+    assert rates(cfg("qwen14b", 65536), Speeds()) == (474e12, 470e12)      # above: never extrapolated

@@ -5,7 +5,8 @@ Every block's *input* is saved for each micro-batch. Beyond that:
   their slot is refilled) so their backward needs no recomputation: K is
   ``worker.keep_activations``, or, when unset, what ``megaray.memory``'s model says fits the
   device's budget, corrected after every step by the measured peak and one kept block's
-  measured cost (``memory.adapt_keep``);
+  measured cost (``memory.adapt_keep``). They keep what the lean block saves, or, when every
+  block fits that way (``memory.kept_plain``), plain autograd's activations, which run faster;
 - the first N blocks' inputs wait in pinned host memory (``worker.offload_inputs``, or, when
   unset, the fewest the model needs for the step to fit), going out on the offload stream
   after the compute that wrote them and coming back one block ahead of their backward.
@@ -26,6 +27,7 @@ class ActivationPolicy:
         self.L = cfg.model.num_hidden_layers
         self.block_numel, self.dtype, self.cast_slab_bytes = block_numel, dtype, cast_slab_bytes
         self._keep: int | None = None
+        self.lean = True                            # kept blocks save the lean block's internals
         self._offload: int | None = None
         self.kept_block_bytes = 0                   # measured device memory of one kept block
         self._kept_bufs: list[torch.Tensor] = []
@@ -44,7 +46,10 @@ class ActivationPolicy:
         if not self.dev.cuda:
             return 0
         if self._keep is None:
-            self._keep = memory.keep_count(self.cfg, self._budget(), self._planned_offload(), self.cast_slab_bytes)
+            budget, offload = self._budget(), self._planned_offload()
+            self.lean = not memory.kept_plain(self.cfg, budget, offload, self.cast_slab_bytes)
+            self._keep = self.L if not self.lean else memory.keep_count(self.cfg, budget, offload,
+                                                                        self.cast_slab_bytes)
         return self._keep
 
     def _planned_offload(self) -> int:
@@ -72,7 +77,11 @@ class ActivationPolicy:
         """Re-choose the kept blocks from this step's measured peak."""
         if self.cfg.worker.keep_activations is not None or not self.dev.cuda or not self.kept_block_bytes:
             return
-        self._keep = memory.adapt_keep(self._keep or 0, self.L, peak_bytes, self.kept_block_bytes, self._budget())
+        keep = memory.adapt_keep(self._keep or 0, self.L, peak_bytes, self.kept_block_bytes, self._budget())
+        if not self.lean and keep < self.L:     # plain blocks no longer all fit: lean ones, measured afresh
+            self.lean, self.kept_block_bytes = True, 0
+            keep = memory.keep_count(self.cfg, self._budget(), self._planned_offload(), self.cast_slab_bytes)
+        self._keep = keep
 
     # ------------------------------------------------------------------ buffers
     def kept_buffer(self, k: int) -> torch.Tensor:

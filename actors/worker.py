@@ -31,6 +31,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
+from megaray import memory
 from megaray.attention import packing
 from megaray.buffers import DTYPES, Handles, RunBuffers
 from megaray.config import RunConfig
@@ -74,6 +75,7 @@ class GpuWorker:
                                      handles.slab_bytes if handles.cast_on_device else 0)
         self.shipper = GradientShipper(cfg, handles, self.dev, self.buf, relay)
         self.rope = rope_tables(self.mcfg, self.mcfg.max_position_embeddings, self.dev.device, torch.float32)
+        self.recompute_lean = memory.StepShape.of(cfg).recompute_lean
 
     def __repr__(self) -> str:
         """What the Ray dashboard's Actors view shows (Ray reads it once, when the actor starts)."""
@@ -134,7 +136,8 @@ class GpuWorker:
         for k, v in clock.gpu_time().items():
             timer.add(k, v)
         out.update(tokens=n_tokens, kept_blocks=self.L - kept["keep_from"], kept_block_bytes=self.acts.kept_block_bytes,
-                   offloaded_inputs=kept["offloaded"], worker_s=time.perf_counter() - t_start)
+                   kept_plain=float(not kept["lean"]), offloaded_inputs=kept["offloaded"],
+                   worker_s=time.perf_counter() - t_start)
         out.update(timer.t)
         for k, v in self.shipper.finished_stats().items():   # the previous step's copy-out (during this forward)
             out[k] = out.get(k, 0.0) + v
@@ -154,7 +157,7 @@ class GpuWorker:
         keep_from = L - acts_policy.keep_count()
         n_off = acts_policy.offload_count(keep_from)
         # blocks: block -> (flat, views, [(x, y)]); packs: each micro-batch's documents, for the recomputation
-        kept = {"blocks": {}, "keep_from": keep_from, "offloaded": n_off, "packs": packs}
+        kept = {"blocks": {}, "keep_from": keep_from, "offloaded": n_off, "packs": packs, "lean": acts_policy.lean}
         mlp_chunk = self.cfg.train.mlp_chunk_tokens
         with torch.no_grad(), clock.span(0):
             _, we = slots.weights(0, grad=False)
@@ -185,7 +188,8 @@ class GpuWorker:
                     w = bind(flat, self.units[u])
                     for m in range(M):
                         x = acts[i][m].detach().requires_grad_()
-                        y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk, pk=packs[m])
+                        y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk, lean=acts_policy.lean,
+                                          pk=packs[m])
                         pairs.append((x, y))
                         acts[i + 1][m] = y.detach()
                 kept["blocks"][i] = (flat, w, pairs)
@@ -270,7 +274,8 @@ class GpuWorker:
                         x = acts[i][m].detach().requires_grad_()
                         acts[i][m] = None
                         with torch.enable_grad():
-                            y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk, pk=kept["packs"][m])
+                            y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk, lean=self.recompute_lean,
+                                              pk=kept["packs"][m])
                             dys[m] = self._block_backward(self.units[u], w, y, x, dys[m], g)
                 slots.release(u)
             self._gradient_done(step, u, g, grads, sq, clock)

@@ -199,7 +199,8 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
     step_s = med["step_time_seconds"]
     kept = med.get("worker/kept_blocks", 0)
     offloaded = med.get("worker/offloaded_inputs", 0)
-    predicted = plan(s.cfg, keep=kept, on_gpu=cfg.worker.device == "cuda", offload=offloaded)
+    plain = bool(med.get("worker/kept_plain", 0))
+    predicted = plan(s.cfg, keep=kept, on_gpu=cfg.worker.device == "cuda", offload=offloaded, lean=not plain)
     predicted_step = predict(s.cfg, shard_speeds(s.cfg), keep=kept)["step_s"]
     gpu_peak = max(m.get("worker/gpu_peak_bytes", 0) for m in ms)
     # less the copy of the initial weights this process holds for the baseline
@@ -207,7 +208,8 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
     host_peak = max(m["node_memory_used_bytes"] for m in ms) - host_before - state_bytes
     out["planner"] = {"host_predicted_gib": predicted.host_total / 2**30, "host_measured_gib": host_peak / 2**30,
                       "gpu_predicted_gib": predicted.gpu_total / 2**30, "gpu_measured_gib": gpu_peak / 2**30,
-                      "kept_blocks": kept, "offloaded_inputs": offloaded, "step_predicted_s": predicted_step}
+                      "kept_blocks": kept, "kept_plain": plain, "offloaded_inputs": offloaded,
+                      "step_predicted_s": predicted_step}
     key = "optimizer_params_per_second_all_shards"
     rates = [m[key] for m in ms[1:] if key in m]
     if docs:     # the attention's work against causal attention over whole rows
@@ -333,7 +335,8 @@ def print_table(r: dict) -> None:
     print(f"  planner: host {pl['host_predicted_gib']:.1f} GiB predicted, {pl['host_measured_gib']:.1f} GiB measured "
           "(system memory in use, less what was in use before and the baseline's copy of the weights); "
           f"GPU {pl['gpu_predicted_gib']:.1f} GiB predicted "
-          f"(keeping {pl['kept_blocks']} blocks), {pl['gpu_measured_gib']:.1f} GiB peak allocated; "
+          f"(keeping {pl['kept_blocks']}{' plain' if pl.get('kept_plain') else ''} blocks), "
+          f"{pl['gpu_measured_gib']:.1f} GiB peak allocated; "
           f"step {pl['step_predicted_s']:.3f} s predicted (the default speeds), {m['step_s']:.3f} s measured")
     for row in r.get("optimizer_scaling", []):
         print(f"  optimizer {row['shards']} shards x {row['threads_per_shard']} threads: "

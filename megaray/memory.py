@@ -47,7 +47,11 @@ RESERVE_BYTES = 2 * GiB
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def block_internal_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, mlp_chunked: bool = False) -> int:
+def block_internal_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, mlp_chunked: bool = False,
+                                    lean: bool = True) -> int:
+    """Bytes one block saves per token for its backward (module docstring); ``lean`` False:
+    plain autograd's (``block_forward(lean=False)``), which keeps the first norm's output and,
+    unless the MLP is chunked, the second's, silu(gate) and the product too."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
@@ -56,7 +60,8 @@ def block_internal_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, mlp_chunk
     kv_saved = kv if SDPA_GQA or kv == q else q
     attn = s * (2 * q + 2 * kv_saved) + 4 * cfg.num_attention_heads   # q, k, v, output (= o_proj input), lse
     mlp = 0 if mlp_chunked else 2 * s * i       # gate and up
-    return norms + attn + mlp
+    plain = 0 if lean else s * h + (0 if mlp_chunked else s * h + 2 * s * i)
+    return norms + attn + mlp + plain
 
 
 def attention_backward_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
@@ -90,6 +95,7 @@ class StepShape:
     one_input: int              # bytes of one block's saved inputs, all micro-batches
     kept_one: int               # bytes of one kept block: internals of the step and its weights
     internal_per_token: int
+    plain_per_token: int        # plain autograd's internals (a recomputed block's, unless the MLP is chunked)
     mlp_chunked: bool
 
     @classmethod
@@ -101,9 +107,22 @@ class StepShape:
         micro = t.micro_batch_size * t.seq_len
         chunked = micro > t.mlp_chunk_tokens
         per_token = block_internal_bytes_per_token(m, s, chunked)
+        plain = block_internal_bytes_per_token(m, s, chunked, lean=False)
         block = units[1].numel if m.num_hidden_layers else 0
         return cls(m.num_hidden_layers, s, tokens, micro, units[0].numel, units[-1].numel, block,
-                   s * tokens * m.hidden_size, per_token * tokens + s * block, per_token, chunked)
+                   s * tokens * m.hidden_size, per_token * tokens + s * block, per_token, plain, chunked)
+
+    def kept_block_bytes(self, lean: bool = True) -> int:
+        """One kept block: its internals over the step's tokens and its weights."""
+        return self.kept_one if lean else self.plain_per_token * self.tokens + self.dtype_bytes * self.block_numel
+
+    @property
+    def recompute_lean(self) -> bool:
+        """Whether a recomputed block runs lean: only with its MLP in chunks, where memory is
+        what counts. Otherwise it runs as plain autograd (3-6% faster on the H200: one block,
+        llama1b 8.02 ms against 8.48, BENCHMARKS.md session 10) for a workspace of one
+        micro-batch's plain internals."""
+        return self.mlp_chunked
 
 
 def grads_on_device(cfg: RunConfig) -> bool:
@@ -112,9 +131,11 @@ def grads_on_device(cfg: RunConfig) -> bool:
     return cfg.optim.grad_placement != "host"
 
 
-def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: int = 0) -> dict[str, int]:
+def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: int = 0,
+              lean: bool = True) -> dict[str, int]:
     """The step's GPU memory at its peak, item by item, keeping the last ``keep`` blocks'
-    activations and offloading the first ``offload`` blocks' inputs.
+    activations (lean ones, or plain autograd's with ``lean`` False: ``kept_plain``) and
+    offloading the first ``offload`` blocks' inputs.
 
     With the gradients in host memory (``optim.grad_placement`` host) the device holds, at
     any time, the tied embedding's gradient and two other units' (the one being computed,
@@ -128,6 +149,7 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
     L, s = sh.layers, sh.dtype_bytes
     keep = max(0, min(L, keep))
     n_off = max(0, min(L - keep, offload))
+    kept_one = sh.kept_block_bytes(lean)
     if grads_on_device(cfg):
         grads_ends = 4 * (sh.embed_numel + sh.head_numel)    # head's and embedding's, from the backward's start
         grads_per_block = 4 * sh.block_numel                   # each block's, until the norm is known
@@ -135,11 +157,11 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
         tied = sh.embed_numel if m.tie_word_embeddings else 0
         grads_ends = 4 * (tied + 2 * max(sh.block_numel, sh.head_numel, 0 if tied else sh.embed_numel))
         grads_per_block = 0
-    best = ((L + 1 - n_off) * sh.one_input + keep * sh.kept_one + grads_ends, L + 1 - n_off, keep, L)
+    best = ((L + 1 - n_off) * sh.one_input + keep * kept_one + grads_ends, L + 1 - n_off, keep, L)
     for j in range(L, -1, -1):                                  # blocks 0..j-1 not yet backwarded
         on_gpu_inputs = max(0, j - n_off) + (min(2, j) if j <= n_off else min(1, n_off))
         alive_kept = max(0, j - (L - keep))
-        total = on_gpu_inputs * sh.one_input + alive_kept * sh.kept_one + grads_ends + grads_per_block * (L - j)
+        total = on_gpu_inputs * sh.one_input + alive_kept * kept_one + grads_ends + grads_per_block * (L - j)
         if total > best[0]:
             best = (total, on_gpu_inputs, alive_kept, j)
     _, n_inputs, n_kept, j = best
@@ -155,10 +177,12 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
         # product's gradient and the gate's and up's gradients; or, later, its attention's
         # backward, whichever is larger (the attention's, for long chunked micro-batches)
         "recomputation workspace (1 micro-batch)": max(
-            sh.internal_per_token * sh.micro_tokens + (mlp_chunk or 3 * s * m.intermediate_size * sh.micro_tokens),
+            (sh.internal_per_token if sh.recompute_lean else sh.plain_per_token) * sh.micro_tokens
+            + (mlp_chunk or 3 * s * m.intermediate_size * sh.micro_tokens),
             attention_backward_bytes_per_token(m, s) * sh.micro_tokens),
         "loss chunk (logits, gradients)": loss_chunk_bytes(cfg),
-        "kept blocks (internals + weights, at the peak)": n_kept * sh.kept_one,
+        ("kept blocks (internals + weights, at the peak)" if lean else
+         "kept blocks (plain autograd's internals + weights, at the peak)"): n_kept * kept_one,
         "CUDA context and allocator slack": CUDA_CONTEXT_BYTES,
         "gradient norm workspace (float64 chunk)": 8 * min(NORM_CHUNK, max(sh.block_numel, sh.head_numel,
                                                                              sh.embed_numel)),
@@ -200,8 +224,9 @@ def loss_chunk_bytes(cfg: RunConfig) -> int:
     return max(2 * s * c * v + 2 * 4 * min(c, LOSS_ROWS) * v, s * c * v + 2 * s * v * m.hidden_size)
 
 
-def gpu_total(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: int = 0) -> int:
-    return sum(gpu_items(cfg, keep, offload, cast_slab_bytes).values())
+def gpu_total(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: int = 0,
+              lean: bool = True) -> int:
+    return sum(gpu_items(cfg, keep, offload, cast_slab_bytes, lean).values())
 
 
 def budget(free_bytes: int) -> int:
@@ -235,6 +260,17 @@ def keep_count(cfg: RunConfig, gpu_bytes: int, offload: int = 0, cast_slab_bytes
     L = cfg.model.num_hidden_layers
     k = _largest(lambda k: gpu_total(cfg, k, offload, cast_slab_bytes) <= gpu_bytes, 0, L)
     return max(0, k)
+
+
+def kept_plain(cfg: RunConfig, gpu_bytes: int, offload: int = 0, cast_slab_bytes: int = 0) -> bool:
+    """Whether every block can keep plain autograd's internals within ``gpu_bytes`` (nothing
+    offloaded, the MLP not chunked). A plain block runs 3-6% faster than a lean one but saves
+    about twice the bytes, while a kept lean block saves its whole recomputation (a third of
+    its time): memory goes to keeping more blocks lean first, and only when all of them fit
+    plain do they keep plain autograd's activations."""
+    sh = StepShape.of(cfg)
+    return (sh.layers > 0 and not sh.mlp_chunked and offload == 0
+            and gpu_total(cfg, sh.layers, 0, cast_slab_bytes, lean=False) <= gpu_bytes)
 
 
 def adapt_keep(keep: int, layers: int, measured_peak: int, kept_block_bytes: int, budget_bytes: int) -> int:

@@ -9,13 +9,22 @@ is allocated.
   them out; plus Ray's object store, which lives in /dev/shm too;
 - host private memory: Adam moments (8 bytes a parameter in fp32, 4 in bf16:
   ``optim.moment_dtype``; in the optimizer shards), a
-  fixed allowance per actor process for the interpreter and torch, and, when the worker
-  computes on the CPU, the step's gradients it holds until the norm is known;
+  fixed allowance per actor process for the interpreter and torch, one more per GPU worker
+  for the CUDA libraries it maps, and, when the worker computes on the CPU, the step's
+  gradients it holds until the norm is known;
 - the GPU at the step's peak, item by item: ``megaray.memory``'s model, the same one the
   worker chooses its kept and offloaded blocks with at run time.
 
 Host bytes per parameter counts the training state: everything in shared memory (Ray's
 object store included) and the moments; not the per-process allowance.
+
+What the machine has (``Machine.here``) is what the kernel calls available, and never more
+than Ray's memory monitor allows: Ray kills a worker once the node's memory in use (its
+cgroup's, less inactive file pages, else total less available) passes
+``RAY_memory_usage_threshold`` of the total (0.95 by default; ``megaray`` starts its own
+local Ray at 0.98, ``megaray.runner.start_local_ray``). On the H200 machine a qwen14b plan
+of 118.8 GiB against 119.8 available was killed at Ray's 95% (122.3 GiB in use by Ray's
+measure, the CUDA libraries' file pages included).
 
 ``check(cfg, machine)`` compares with what the machine has and raises ``PlanError`` with the
 whole report and the shortfall; ``megaray train`` calls it before starting any actor.
@@ -36,6 +45,44 @@ from megaray.memory import GiB
 _SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 _USABLE = "what is free, at most worker.gpu_memory_gib, less the allocator's reserve"
 PROCESS_BYTES = int(0.4 * GiB)   # one actor process: interpreter, torch, Ray worker
+CUDA_PROCESS_BYTES = int(1.5 * GiB)   # a GPU worker's CUDA libraries and context on the host (1.3 GB measured)
+RAY_KILL_THRESHOLD = 0.95        # Ray's default RAY_memory_usage_threshold
+
+
+def ray_kill_fraction() -> float | None:
+    """The share of the node's memory at which Ray's memory monitor kills workers, as this
+    process's environment sets it (Ray's default otherwise); None when the monitor is off."""
+    if os.environ.get("RAY_memory_monitor_refresh_ms", "").strip() == "0":
+        return None
+    return float(os.environ.get("RAY_memory_usage_threshold", RAY_KILL_THRESHOLD))
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def ray_memory_view(meminfo: dict, cgroup: str = "/sys/fs/cgroup") -> tuple[int, int]:
+    """(used, total) bytes as Ray's memory monitor counts them: a cgroup v2's memory.current
+    less its inactive file pages, else total less available; the total is the cgroup's limit
+    where it sets one below the machine's memory."""
+    total = meminfo["MemTotal"]
+    limit = _read_int(f"{cgroup}/memory.max")
+    if limit:
+        total = min(total, limit)
+    used = meminfo["MemTotal"] - meminfo.get("MemAvailable", meminfo["MemFree"])
+    current = _read_int(f"{cgroup}/memory.current")
+    if current is not None:
+        try:
+            with open(f"{cgroup}/memory.stat") as f:
+                stat = dict(line.split()[:2] for line in f if line.strip())
+            used = current - int(stat["inactive_file"])
+        except (OSError, KeyError, ValueError):
+            pass
+    return max(0, used), total
 
 
 @dataclass
@@ -51,6 +98,11 @@ class Machine:
             for line in f:
                 k, v = line.split(":", 1)
                 info[k] = int(v.split()[0]) * 1024
+        host = info.get("MemAvailable", info["MemFree"])
+        fraction = ray_kill_fraction()
+        if fraction is not None:        # what Ray's memory monitor lets the run add
+            used, total = ray_memory_view(info)
+            host = max(0, min(host, int(fraction * total) - used))
         st = os.statvfs(shm_dir)
         gpu = gpu_bytes
         if gpu is None and probe_gpu:
@@ -58,7 +110,7 @@ class Machine:
 
             if torch.cuda.is_available():
                 gpu = torch.cuda.mem_get_info()[0]
-        return cls(info.get("MemAvailable", info["MemFree"]), st.f_bavail * st.f_frsize, gpu)
+        return cls(host, st.f_bavail * st.f_frsize, gpu)
 
 
 @dataclass
@@ -110,7 +162,8 @@ class Plan:
         return "\n".join(out)
 
 
-def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: int | None = None) -> Plan:
+def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: int | None = None,
+         lean: bool = True) -> Plan:
     m, t = cfg.model, cfg.train
     units = build_layout(m)
     h = Handles.for_config(cfg, "plan", 0, units)
@@ -129,7 +182,9 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
     streamed = p.params - sum(units[u].numel for u in h.resident)      # resident moments live on the device
     p.host_private = {f"adam moments ({_SHORT[o.moment_dtype]})": 2 * DTYPES[o.moment_dtype].itemsize * streamed,
                       "actor processes": PROCESS_BYTES * (cfg.optim.num_shards + 3 + cfg.worker.count)}
-    if not on_gpu:
+    if on_gpu:
+        p.host_private["CUDA libraries of the GPU worker(s)"] = CUDA_PROCESS_BYTES * cfg.worker.count
+    else:
         p.host_private["step gradients held by the worker (CPU device)"] = 4 * p.params
     L = m.num_hidden_layers
     # With keep_activations unset the worker keeps as many blocks as fit; the plan counts
@@ -140,7 +195,7 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
         one_input = memory.StepShape.of(cfg).one_input
         p.host_private[f"offloaded block inputs ({p.offload_inputs}, pinned)"] = (
             p.offload_inputs * one_input * cfg.worker.count)
-    p.gpu = memory.gpu_items(cfg, p.keep_blocks, p.offload_inputs, h.slab_bytes if h.cast_on_device else 0)
+    p.gpu = memory.gpu_items(cfg, p.keep_blocks, p.offload_inputs, h.slab_bytes if h.cast_on_device else 0, lean)
     return p
 
 

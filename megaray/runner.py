@@ -62,6 +62,9 @@ def connect_ray(cfg: RunConfig) -> bool:
     return True
 
 
+LOCAL_RAY_KILL_THRESHOLD = "0.98"
+
+
 def start_local_ray(**kwargs) -> None:
     """``ray.init(address="local", **kwargs)`` from an empty folder of megaray's own.
 
@@ -70,7 +73,13 @@ def start_local_ray(**kwargs) -> None:
     checkout's ``megaray/`` (which has no ``actors/``: setup maps it there from the top-level
     folder) in place of the installed package, and every actor would fail to import. The
     config's paths are absolute by then (``megaray.loader.absolute_paths``), so the workers'
-    folder means nothing to a run."""
+    folder means nothing to a run.
+
+    Ray's memory monitor kills a worker at ``RAY_memory_usage_threshold`` of the node's
+    memory (0.95 by default: 6.3 GiB of a 125 GiB host held back). megaray plans host memory
+    itself and refuses a run that does not fit (``megaray.plan.check``, against what the
+    monitor allows), so its own cluster starts at 0.98 unless the environment sets it."""
+    os.environ.setdefault("RAY_memory_usage_threshold", LOCAL_RAY_KILL_THRESHOLD)
     here = os.getcwd()
     folder = Path(tempfile.gettempdir()) / f"megaray-{os.getuid()}" / "ray-workers"
     folder.mkdir(parents=True, exist_ok=True)

@@ -55,6 +55,7 @@ def test_estimate_matches_what_autograd_saves():
     h, i = cfg.hidden_size, cfg.intermediate_size
     plain = _saved_bytes_per_token(cfg, lean=False) - rope
     assert plain == block_internal_bytes_per_token(cfg, 2) + 2 * (2 * h + 2 * i)
+    assert plain == block_internal_bytes_per_token(cfg, 2, lean=False)
 
 
 def test_kept_blocks_and_offload_for_a_budget_by_hand():
@@ -90,3 +91,25 @@ def test_adapt_keep_by_measurement():
     assert memory.adapt_keep(10, 28, measured_peak=budget + gib // 2, kept_block_bytes=gib, budget_bytes=budget) == 9
     assert memory.adapt_keep(27, 28, measured_peak=0, kept_block_bytes=gib, budget_bytes=96 * gib) == 28
     assert memory.adapt_keep(1, 28, measured_peak=200 * gib, kept_block_bytes=gib, budget_bytes=96 * gib) == 0
+
+
+def test_blocks_keep_plain_activations_only_when_all_fit():
+    """llama3b at 64k tokens a step: kept plain blocks cost 2 x (2h + 2i) bytes a token more
+    than lean ones; the worker keeps plain blocks only when all 28 fit, nothing offloaded and
+    the MLP unchunked."""
+    cfg = load_config("debug", ["model.shape=llama3b", "train.seq_len=2048", "train.micro_batch_size=4",
+                                "train.grad_accum=8", "train.compute_dtype=bfloat16"])
+    extra = 65536 * 2 * (2 * 3072 + 2 * 8192)       # per kept block
+    lean_all = memory.gpu_total(cfg, keep=28)
+    plain_all = memory.gpu_total(cfg, keep=28, lean=False)
+    assert plain_all - lean_all == 28 * extra
+    assert memory.gpu_items(cfg, keep=28, lean=False)["kept blocks (plain autograd's internals + weights, at the "
+                                                       "peak)"] == 28 * ((55400 + 45056) * 65536 + 2 * 100_669_440)
+    assert memory.kept_plain(cfg, plain_all) and not memory.kept_plain(cfg, plain_all - 1)
+    assert not memory.kept_plain(cfg, plain_all, offload=1)
+    chunked = load_config("debug", ["model.shape=llama3b", "train.seq_len=2048", "train.micro_batch_size=4",
+                                    "train.grad_accum=8", "train.compute_dtype=bfloat16",
+                                    "train.mlp_chunk_tokens=4096"])
+    assert not memory.kept_plain(chunked, 10**15)
+    # recomputed blocks run plain unless the MLP is chunked
+    assert not memory.StepShape.of(cfg).recompute_lean and memory.StepShape.of(chunked).recompute_lean

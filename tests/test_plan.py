@@ -10,7 +10,18 @@ from conftest import shm_files
 from megaray import memory
 from megaray.errors import ConfigError, PlanError
 from megaray.loader import load_config
-from megaray.plan import PROCESS_BYTES, GiB, Machine, check, largest_fit, plan, plan_for, savings
+from megaray.plan import (
+    CUDA_PROCESS_BYTES,
+    PROCESS_BYTES,
+    GiB,
+    Machine,
+    check,
+    largest_fit,
+    plan,
+    plan_for,
+    ray_memory_view,
+    savings,
+)
 
 
 def test_debug_plan_by_hand():
@@ -28,7 +39,11 @@ def test_debug_plan_by_hand():
     assert p.shm["ray object store"] == 100 * 2**20
     assert p.host_private["adam moments (fp32)"] == 8 * 26784
     assert p.host_private["actor processes"] == PROCESS_BYTES * (2 + 4)
-    assert p.host_total == p.shm_total + 8 * 26784 + PROCESS_BYTES * 6
+    # a GPU worker maps the CUDA libraries (1.3 GB on the H200 machine); a CPU worker holds the step's gradients
+    assert p.host_private["CUDA libraries of the GPU worker(s)"] == CUDA_PROCESS_BYTES == int(1.5 * 2**30)
+    assert p.host_total == p.shm_total + 8 * 26784 + PROCESS_BYTES * 6 + CUDA_PROCESS_BYTES
+    cpu = plan(cfg, on_gpu=False)
+    assert cpu.host_total == p.shm_total + 8 * 26784 + PROCESS_BYTES * 6 + 4 * 26784
 
 
 def test_llama3b_gpu_items_by_hand():
@@ -87,8 +102,10 @@ def test_llama3b_gpu_items_by_hand():
     attn_phase = 131072 * (2 * (2 * q + 2 * kv) + 4 * 24 + 2 * q + 2 * (q + 2 * kv) + 4 * q + 2 * 2 * q)
     assert attn_phase == 131072 * 57440 > mlp_phase
     assert plan(long).gpu["recomputation workspace (1 micro-batch)"] == attn_phase
-    # at 2k-token micro-batches the unchunked MLP's backward is the larger
-    assert plan(small).gpu["recomputation workspace (1 micro-batch)"] == 1024 * (55400 + 3 * 2 * 8192)
+    # at 2k-token micro-batches the unchunked MLP's backward is the larger; the recomputed block
+    # runs as plain autograd, which also keeps both norms' outputs, silu(gate) and the product
+    plain = 55400 + 2 * (2 * 3072 + 2 * 8192)
+    assert plan(small).gpu["recomputation workspace (1 micro-batch)"] == 1024 * (plain + 3 * 2 * 8192)
     kept = plan(cfg, keep=20)            # kept blocks are freed as the backward walks them
     assert kept.gpu["kept blocks (internals + weights, at the peak)"] == 20 * (
         55400 * 65536 + 2 * block)
@@ -119,7 +136,7 @@ def test_reduced_precision_options_by_hand():
 
 def test_check_refuses_with_the_shortfall():
     cfg = load_config("debug", ["optim.grad_placement=device"])
-    p = plan(cfg)
+    p = plan(cfg, on_gpu=False)          # no GPU on this machine: the worker computes on the CPU
     machine = Machine(host_bytes=p.host_total - GiB, shm_bytes=10 * GiB, gpu_bytes=None)
     with pytest.raises(PlanError) as e:
         check(cfg, machine)
@@ -200,3 +217,34 @@ def test_compute_time_by_shape_by_hand():
     assert rates(cfg("llama3b", 4096), Speeds())[1] == pytest.approx(281e12 + (470e12 - 281e12) / 3)
     assert rates(cfg("llama1b", 1024), Speeds()) == (343e12, 281e12)       # below: the end values
     assert rates(cfg("qwen14b", 65536), Speeds()) == (474e12, 470e12)      # above: never extrapolated
+
+
+def test_ray_memory_view_by_hand(tmp_path, monkeypatch):
+    """What Ray's memory monitor counts (it kills workers past RAY_memory_usage_threshold of
+    it): a cgroup v2's memory.current less inactive file pages, against the cgroup's limit
+    where it is below the machine's memory; without a cgroup, total less available."""
+    from megaray.plan import ray_kill_fraction
+
+    info = {"MemTotal": 128 * GiB, "MemAvailable": 100 * GiB, "MemFree": 90 * GiB}
+    assert ray_memory_view(info, str(tmp_path / "none")) == (28 * GiB, 128 * GiB)
+    (tmp_path / "memory.max").write_text("max\n")             # no limit: the machine's total
+    (tmp_path / "memory.current").write_text(f"{40 * GiB}\n")
+    (tmp_path / "memory.stat").write_text(f"anon {30 * GiB}\nfile {10 * GiB}\ninactive_file {3 * GiB}\n")
+    assert ray_memory_view(info, str(tmp_path)) == (37 * GiB, 128 * GiB)
+    (tmp_path / "memory.max").write_text(f"{64 * GiB}\n")
+    assert ray_memory_view(info, str(tmp_path)) == (37 * GiB, 64 * GiB)
+    monkeypatch.delenv("RAY_memory_usage_threshold", raising=False)
+    monkeypatch.delenv("RAY_memory_monitor_refresh_ms", raising=False)
+    assert ray_kill_fraction() == 0.95
+    monkeypatch.setenv("RAY_memory_usage_threshold", "0.98")
+    assert ray_kill_fraction() == 0.98
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "0")      # the monitor off
+    assert ray_kill_fraction() is None
+    # on this machine: the kernel's available memory with the monitor off, nothing once the
+    # memory in use passes the threshold
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    assert abs(Machine.here("/dev/shm").host_bytes - avail) < 256 * 2**20
+    monkeypatch.setenv("RAY_memory_monitor_refresh_ms", "250")
+    monkeypatch.setenv("RAY_memory_usage_threshold", "0.001")
+    assert Machine.here("/dev/shm").host_bytes == 0

@@ -174,8 +174,16 @@ def test_document_starts_are_recorded_and_old_shards_still_train(ray_cluster, tm
     assert (np.diff(b["doc"], axis=1) > 0).sum() >= 50                    # many documents start inside rows
     run = train(load_config("debug", base + [f"data.path={tmp_path / 'sft'}", f"run.dir={tmp_path / 'r-sft'}"]))
     assert "attention: document (auto: sft shards)" in (Path(run["run_dir"]) / "train.log").read_text()
-    assert all(np.isfinite(x["loss"]) for x in map(json.loads, (Path(run["run_dir"]) / "metrics.jsonl")
-                                                 .read_text().splitlines()))
+    losses = [x["loss"] for x in map(json.loads, (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines())
+              if "loss" in x]
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    # the long-context path under document attention: inputs offloaded to host memory, the MLP
+    # in chunks of a quarter of a micro-batch; the same losses to fp32 rounding
+    run = train(load_config("debug", base + [f"data.path={tmp_path / 'sft'}", f"run.dir={tmp_path / 'r-long'}",
+                                             "worker.offload_inputs=1", f"train.mlp_chunk_tokens={S // 2}"]))
+    long = [x["loss"] for x in map(json.loads, (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines())
+            if "loss" in x]
+    np.testing.assert_allclose(long, losses, rtol=1e-5)
 
 
 def test_shuffle_is_seeded_and_each_epoch_a_permutation(ray_cluster, tmp_path):

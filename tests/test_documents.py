@@ -89,13 +89,15 @@ def test_document_work_counts_each_documents_own_pairs():
     assert flops_per_step(cfg, 10, 5, square_document_lengths(whole)) == flops_per_step(cfg, 10, 5)
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "plain"])
 @pytest.mark.parametrize("mlp_chunk", [None, 8], ids=["whole-mlp", "chunked-mlp"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)], ids=["fp64", "fp32"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_a_packed_row_equals_its_documents_alone(shape, dtype, tol, mlp_chunk):
+def test_a_packed_row_equals_its_documents_alone(shape, dtype, tol, mlp_chunk, lean):
     """Output and every gradient (weights and inputs) of one block over packed rows, against
     the same block run on each document as a row of its own (plain causal attention); also
-    with the long-context path's chunked MLP (``train.mlp_chunk_tokens``)."""
+    with the long-context path's chunked MLP (``train.mlp_chunk_tokens``), and for the lean
+    block and plain autograd's (the worker runs both: ``memory.StepShape.recompute_lean``)."""
     cfg = ModelConfig.from_shape(**SHAPES[shape])
     unit = build_layout(cfg)[1]
     flat = init_unit(unit, cfg, seed=3).to(dtype)
@@ -106,7 +108,8 @@ def test_a_packed_row_equals_its_documents_alone(shape, dtype, tol, mlp_chunk):
 
     w = flat.clone().requires_grad_()
     xp = x.clone().requires_grad_()
-    y = block_forward(bind(w, unit), xp, rope, cfg, mlp_chunk, pk=packing(torch.stack([_docs(n) for n in LENGTHS])))
+    y = block_forward(bind(w, unit), xp, rope, cfg, mlp_chunk, lean=lean,
+                      pk=packing(torch.stack([_docs(n) for n in LENGTHS])))
     gw, gx = torch.autograd.grad(y, [w, xp], dy)
 
     y_ref, gx_ref, gw_ref = documents_alone(flat, unit, x, dy, LENGTHS, rope, cfg, mlp_chunk)

@@ -46,10 +46,8 @@ class ActivationPolicy:
         if not self.dev.cuda:
             return 0
         if self._keep is None:
-            budget, offload = self._budget(), self._planned_offload()
-            self.lean = not memory.kept_plain(self.cfg, budget, offload, self.cast_slab_bytes)
-            self._keep = self.L if not self.lean else memory.keep_count(self.cfg, budget, offload,
-                                                                        self.cast_slab_bytes)
+            self._keep, self.lean = memory.keep_choice(self.cfg, self._budget(), self._planned_offload(),
+                                                       self.cast_slab_bytes)
         return self._keep
 
     def _planned_offload(self) -> int:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge
 
+from megaray.plan import available, meminfo
+
 TAG_KEYS = ("run", "actor")
 
 STEP_GAUGES = {   # per-step values: metrics.jsonl, TensorBoard train/<name>, ray_megaray_<name>
@@ -57,9 +59,5 @@ class RunMetrics:
 
 def node_memory_used_bytes() -> int:
     """Memory in use on this node (MemTotal - MemAvailable): every process's, not the run's."""
-    info = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            k, v = line.split(":", 1)
-            info[k] = int(v.split()[0]) * 1024
-    return info["MemTotal"] - info.get("MemAvailable", info["MemFree"])
+    info = meminfo()
+    return info["MemTotal"] - available(info)

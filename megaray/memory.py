@@ -93,7 +93,6 @@ class StepShape:
     head_numel: int
     block_numel: int
     one_input: int              # bytes of one block's saved inputs, all micro-batches
-    kept_one: int               # bytes of one kept block: internals of the step and its weights
     internal_per_token: int
     plain_per_token: int        # plain autograd's internals (a recomputed block's, unless the MLP is chunked)
     mlp_chunked: bool
@@ -110,11 +109,12 @@ class StepShape:
         plain = block_internal_bytes_per_token(m, s, chunked, lean=False)
         block = units[1].numel if m.num_hidden_layers else 0
         return cls(m.num_hidden_layers, s, tokens, micro, units[0].numel, units[-1].numel, block,
-                   s * tokens * m.hidden_size, per_token * tokens + s * block, per_token, plain, chunked)
+                   s * tokens * m.hidden_size, per_token, plain, chunked)
 
     def kept_block_bytes(self, lean: bool = True) -> int:
         """One kept block: its internals over the step's tokens and its weights."""
-        return self.kept_one if lean else self.plain_per_token * self.tokens + self.dtype_bytes * self.block_numel
+        per_token = self.internal_per_token if lean else self.plain_per_token
+        return per_token * self.tokens + self.dtype_bytes * self.block_numel
 
     @property
     def recompute_lean(self) -> bool:
@@ -271,6 +271,14 @@ def kept_plain(cfg: RunConfig, gpu_bytes: int, offload: int = 0, cast_slab_bytes
     sh = StepShape.of(cfg)
     return (sh.layers > 0 and not sh.mlp_chunked and offload == 0
             and gpu_total(cfg, sh.layers, 0, cast_slab_bytes, lean=False) <= gpu_bytes)
+
+
+def keep_choice(cfg: RunConfig, gpu_bytes: int, offload: int = 0, cast_slab_bytes: int = 0) -> tuple[int, bool]:
+    """The worker's kept blocks for a budget: (how many, whether lean): every block plain
+    where they all fit that way (``kept_plain``), else the most lean ones that fit."""
+    if kept_plain(cfg, gpu_bytes, offload, cast_slab_bytes):
+        return cfg.model.num_hidden_layers, False
+    return keep_count(cfg, gpu_bytes, offload, cast_slab_bytes), True
 
 
 def adapt_keep(keep: int, layers: int, measured_peak: int, kept_block_bytes: int, budget_bytes: int) -> int:

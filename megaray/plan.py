@@ -57,6 +57,21 @@ def ray_kill_fraction() -> float | None:
     return float(os.environ.get("RAY_memory_usage_threshold", RAY_KILL_THRESHOLD))
 
 
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes."""
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, v = line.split(":", 1)
+            info[k] = int(v.split()[0]) * 1024
+    return info
+
+
+def available(info: dict[str, int]) -> int:
+    """What the kernel calls available (free memory on kernels too old to say)."""
+    return info.get("MemAvailable", info["MemFree"])
+
+
 def _read_int(path: str) -> int | None:
     try:
         with open(path) as f:
@@ -73,7 +88,7 @@ def ray_memory_view(meminfo: dict, cgroup: str = "/sys/fs/cgroup") -> tuple[int,
     limit = _read_int(f"{cgroup}/memory.max")
     if limit:
         total = min(total, limit)
-    used = meminfo["MemTotal"] - meminfo.get("MemAvailable", meminfo["MemFree"])
+    used = meminfo["MemTotal"] - available(meminfo)
     current = _read_int(f"{cgroup}/memory.current")
     if current is not None:
         try:
@@ -93,12 +108,8 @@ class Machine:
 
     @classmethod
     def here(cls, shm_dir: str, gpu_bytes: int | None = None, probe_gpu: bool = False) -> Machine:
-        info = {}
-        with open("/proc/meminfo") as f:
-            for line in f:
-                k, v = line.split(":", 1)
-                info[k] = int(v.split()[0]) * 1024
-        host = info.get("MemAvailable", info["MemFree"])
+        info = meminfo()
+        host = available(info)
         fraction = ray_kill_fraction()
         if fraction is not None:        # what Ray's memory monitor lets the run add
             used, total = ray_memory_view(info)

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     from megaray.cost import Speeds, predict
     from megaray.errors import ConfigError
     from megaray.loader import load_config
-    from megaray.memory import GiB, keep_count, kept_plain
+    from megaray.memory import GiB, keep_choice
     from megaray.plan import (
         Machine,
         best,
@@ -73,15 +73,12 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
         print(f"option {override}: {what} GiB of host memory ({per_param:.2f} bytes/param)")
     gpu = gpu_budget(cfg, machine)
     if gpu is not None:
-        keep = keep_count(cfg, gpu, pl.offload_inputs, cast_slab_bytes(cfg))
-        plain = kept_plain(cfg, gpu, pl.offload_inputs, cast_slab_bytes(cfg))     # what the worker will keep
-        if plain:
-            keep = cfg.model.num_hidden_layers
+        keep, lean = keep_choice(cfg, gpu, pl.offload_inputs, cast_slab_bytes(cfg))    # the worker's choice
         t = predict(cfg, speeds, keep)
         print(f"predicted step: {t['step_s']:.2f} s (compute {t['compute_s']:.2f}, forward waiting for updates "
               f"{t['wait_updates_s']:.2f}, copy-in {t['copy_in_s']:.2f}, copy-out {t['copy_out_s']:.2f}, updates "
               f"{t['updates_s']:.2f} on {speeds.cores} cores; keeping {keep} blocks' activations"
-              f"{', as plain autograd saves them' if plain else ''}), "
+              f"{'' if lean else ', as plain autograd saves them'}), "
               f"{cfg.train.tokens_per_step / t['step_s']:.0f} tokens/s")
         if can_be_resident(cfg):
             print_placements(choose_placement(cfg, speeds, gpu, cast_slab_bytes(cfg), machine.host_bytes), best)

@@ -54,6 +54,9 @@ class OptimizerShard:
             self.m[i] = torch.zeros(piece.numel, dtype=self.moment_dtype)
             self.v[i] = torch.zeros(piece.numel, dtype=self.moment_dtype)
             self.steps[i] = 0
+        if (handles.grad_placement == "host" and o.clip_grad_norm is not None and self.pieces
+                and handles.master_dtype == o.moment_dtype == handles.grad_dtype == "float32"):
+            self.adam.reserve_scaled(max(handles.pieces[i].numel for i in self.pieces))   # torch's fused path
         self.metrics = RunMetrics(handles.run_id, name.rsplit(":", 1)[-1], SHARD_GAUGES)
 
     def __repr__(self) -> str:
@@ -74,8 +77,10 @@ class OptimizerShard:
     def apply(self, step: int, lr: float) -> dict:
         """Apply step ``step`` to every piece of this shard as its gradient arrives.
 
-        Returns {"update_s": seconds updating, "wait_s": seconds waiting for gradients,
-        "params": parameters updated, "skipped": bool}."""
+        Returns {"update_s": seconds updating, "wait_s": seconds waiting (for the verdict and
+        the gradients), "ring_wait_s": of which for gradients once the verdict was known,
+        "span_s": from the verdict to the last piece's release, "params": parameters updated,
+        "skipped": bool}."""
         try:
             return self._apply(step, lr)
         except RunAborted as e:
@@ -86,7 +91,7 @@ class OptimizerShard:
 
     def _apply(self, step: int, lr: float) -> dict:
         timeout = self.cfg.worker.wait_timeout_s
-        out = {"update_s": 0.0, "wait_s": 0.0, "params": 0, "skipped": False}
+        out = {"update_s": 0.0, "wait_s": 0.0, "ring_wait_s": 0.0, "span_s": 0.0, "params": 0, "skipped": False}
         if not self.pieces:
             return out
         control = self.buf.control
@@ -101,6 +106,7 @@ class OptimizerShard:
                 return out
             coef = control.clip_coefficient() if host else 1.0      # the ring's gradients come clipped
         source = self.buf.host_grads if host else self.buf.ring
+        start = time.perf_counter()
         for i in self.pieces:
             piece = self.h.pieces[i]
             what = f" ({self.h.units[piece.unit].name})"
@@ -109,12 +115,14 @@ class OptimizerShard:
             else:
                 (grad, waited), finite = source.take(piece, step, timeout, what), True
             out["wait_s"] += waited
+            out["ring_wait_s"] += waited
             t0 = time.perf_counter()
             if finite:                      # clipping off: a unit whose own gradient is not finite is skipped
                 self._update(i, grad, lr, coef)
                 out["params"] += piece.numel
             source.release(piece, step)
             out["update_s"] += time.perf_counter() - t0
+        out["span_s"] = time.perf_counter() - start
         if out["update_s"] > 0:
             self.metrics.set(optimizer_seconds=out["update_s"],
                              optimizer_params_per_second=out["params"] / out["update_s"])

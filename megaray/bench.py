@@ -131,7 +131,9 @@ def breakdown(m: dict) -> dict:
     - idle waiting for copy-in or launches: the other gaps between compute regions;
     - outside the GPU work: the rest of the step (the Ray call that starts it, the first
       layer's copy-in, the loss and norm reaching the host, the verdict).
-    Copy-in, copy-out and the optimizer's update time overlap compute; they are listed after.
+    Copy-in, copy-out and the optimizer's update time overlap compute; they are listed after,
+    with the optimizer's span (the verdict to the slowest shard's last update) and the most any
+    shard waited in it for its gradient pieces (the ring's delivery, not its own updates).
     """
     step, compute = m["step_time_seconds"], m.get("worker/compute_s", 0.0)
     opt, other = m.get("worker/gap_optimizer_s", 0.0), m.get("worker/gap_other_s", 0.0)
@@ -140,7 +142,9 @@ def breakdown(m: dict) -> dict:
     return {"step_s": step, "compute_s": compute, "idle_optimizer_s": opt, "idle_copy_in_s": other,
             "outside_s": outside, "gpu_idle_fraction": (step - compute) / step,
             "overlapped": {"copy_in_s": m.get("worker/copy_in_s", 0.0), "copy_out_s": m.get("worker/copy_out_s", 0.0),
-                           "optimizer_update_s": m.get("optimizer_update_seconds_slowest_shard", 0.0)}}
+                           "optimizer_update_s": m.get("optimizer_update_seconds_slowest_shard", 0.0),
+                           "optimizer_span_s": m.get("optimizer_span_seconds_slowest_shard", 0.0),
+                           "optimizer_gradient_wait_s": m.get("optimizer_gradient_wait_seconds_most_shard", 0.0)}}
 
 
 def document_ids(rng, shape: tuple, mean_len: int) -> np.ndarray:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from megaray import memory
 from megaray.config import RunConfig
 from megaray.layout import build_layout
 
@@ -105,9 +106,12 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
     is known, in forward order, and the forward waits for each streamed unit's update before
     it computes it. So the forward is simulated unit by unit: the embedding's update first,
     then each block starts when the block before it has computed and (streamed) its own
-    update is done; resident units (``optim.placement``: the embedding, then the first
-    blocks) wait for nothing. The wait this adds to the forward (``wait_updates_s``) adds to
-    the step; copy-in and copy-out still bound it from below."""
+    update is done, and the head (never resident) when its update, the last, is done;
+    resident units (``optim.placement``: the embedding, then the first blocks) wait for
+    nothing. The wait this adds to the forward (``wait_updates_s``) adds to the step; copy-in
+    and copy-out still bound it from below. With the gradients in host memory and clipping,
+    torch's fused AdamW on fp32 state first writes the clipped gradient (``megaray.adamw``):
+    36 bytes a parameter moved instead of 28."""
     m, t, o = cfg.model, cfg.train, cfg.optim
     units = build_layout(m)
     n = m.num_params()
@@ -129,6 +133,10 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
             * speeds.update_share)
     if cfg.host_compute_copy:
         rate /= 1.2
+    on_device = memory.grads_on_device(cfg)
+    if not on_device and o.clip_grad_norm is not None and (o.master_dtype, o.moment_dtype, o.grad_dtype) == (
+            "float32",) * 3:
+        rate *= 28 / 36                             # torch's fused AdamW: the clipped gradient is a pass of its own
     updates = streamed / rate
     mm, attn = rates(cfg, speeds)                   # one block's forward:
     f = 2.0 * t.tokens_per_step * (block / mm + m.hidden_size * t.seq_len / attn)
@@ -139,6 +147,8 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
             done += block / rate
             clock = max(clock, done)
         clock += f
+    if L:                                           # the head's update, last, before the head computes
+        clock = max(clock, done + units[-1].numel / rate)
     wait = max(0.0, clock - L * f)
     # before the first block computes: the embedding's copy-in (streamed) and block 0's (streamed)
     first_numel = (0 if embed_res else units[0].numel) + (block if res == 0 else 0)

@@ -193,6 +193,9 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
     streamed = p.params - sum(units[u].numel for u in h.resident)      # resident moments live on the device
     p.host_private = {f"adam moments ({_SHORT[o.moment_dtype]})": 2 * DTYPES[o.moment_dtype].itemsize * streamed,
                       "actor processes": PROCESS_BYTES * (cfg.optim.num_shards + 3 + cfg.worker.count)}
+    if (h.grad_placement == "host" and o.clip_grad_norm is not None
+            and (o.master_dtype, o.moment_dtype, h.grad_dtype) == ("float32",) * 3):
+        p.host_private["clipped gradient, one slab a shard (torch's fused AdamW)"] = h.slab_bytes * o.num_shards
     if on_gpu:
         p.host_private["CUDA libraries of the GPU worker(s)"] = CUDA_PROCESS_BYTES * cfg.worker.count
     else:

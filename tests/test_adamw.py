@@ -94,10 +94,15 @@ def test_fp32_state_runs_torchs_own_fused_adamw():
     st = opt.state.setdefault(ref, {})
     st.update(step=torch.tensor(0.0), exp_avg=m.clone(), exp_avg_sq=v.clone())
     ours = adamw.AdamW(1)
+    scaled = []
     for t, g in enumerate(grads, 1):
         ref.grad = g * 0.25
         opt.step()
+        before = g.clone()
         ours.step(p, g, m, v, adamw.hyper(1e-3, (0.9, 0.95), 1e-8, 0.1, t, grad_scale=0.25), adam_step=t)
+        torch.testing.assert_close(g, before, rtol=0, atol=0)       # the shard's gradient is left as it came
+        scaled.append(ours._scaled.data_ptr())
+    assert len(set(scaled)) == 1                                     # one buffer for the clipped gradient
     torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(m, st["exp_avg"], rtol=1e-6, atol=1e-9)
     torch.testing.assert_close(v, st["exp_avg_sq"], rtol=1e-6, atol=1e-12)

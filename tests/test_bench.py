@@ -75,6 +75,9 @@ def test_bench_runs_megaray_and_baseline_from_the_same_weights(ray_cluster):
     assert d["compute_s"] + d["idle_optimizer_s"] + d["idle_copy_in_s"] + d["outside_s"] == pytest.approx(m["step_s"])
     assert 0 < d["compute_s"] < m["step_s"] and d["outside_s"] >= 0
     assert m["optimizer_gparams_per_s"] > 0 and r["link_alone"]["copy_in_gbps"] > 0
+    o = d["overlapped"]     # after the verdict: the slowest shard's span holds its updates and its waits
+    assert 0 < o["optimizer_update_s"] <= o["optimizer_span_s"]
+    assert 0 <= o["optimizer_gradient_wait_s"] < o["optimizer_span_s"]
 
 
 def test_bench_with_gradients_in_host_memory_measures_both_links(ray_cluster, capsys):

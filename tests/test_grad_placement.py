@@ -93,6 +93,13 @@ def test_auto_keeps_gradients_on_the_gpu_while_they_fit():
     assert host.gpu["fp32 gradients (at the peak)"] == 4 * 2 * max(head, block)    # the head's: the largest unit
     assert host.gpu_total <= 24 * GiB
     assert host.shm["gradients waiting for the norm (fp32, host)"] >= 4 * n
+    # each shard holds one slab for the clipped fp32 gradient of torch's fused AdamW (64 MiB by
+    # default); without clipping, or on the device, there is none
+    scratch = "clipped gradient, one slab a shard (torch's fused AdamW)"
+    assert host.host_private[scratch] == 4 * 64 * 2**20
+    unclipped = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, clip_grad_norm=None))
+    assert scratch not in plan_for(unclipped, small).host_private
+    assert scratch not in plan_for(cfg, big).host_private
 
 
 def test_the_gpu_budget_caps_the_plan_and_refuses_before_allocating():

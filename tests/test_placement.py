@@ -184,25 +184,34 @@ def test_the_plan_moves_resident_state_from_host_to_gpu():
 
 def test_the_forward_waits_for_each_streamed_update():
     """cost.predict's schedule in the regime where updates are the bound (one core): all
-    units streamed, the forward's last block starts when every update is done; the embedding
-    resident, the first block waits for its own update only; the embedding and both blocks
-    resident, nothing waits. The shards reach ``update_share`` of the rate measured alone."""
+    units streamed, the forward's last block starts when every block's update is done; the
+    embedding resident, the first block waits for its own update only; the embedding and both
+    blocks resident, no block waits. The head (here the final norm: the embedding is tied) is
+    never resident and computes once its own update, the last, is done. The shards reach
+    ``update_share`` of the rate measured alone."""
     cfg = load_config("debug", ["train.grad_accum=1", "optim.grad_placement=device"])
     speeds = Speeds(gpu_tflops=1000.0, cores=1, update_share=0.5)
     rate = ADAMW_PER_CORE[("float32", "float32", "float32")] * 1e9 * 0.5
-    embed, block = 256 * 32, 9280
+    embed, block, head = 256 * 32, 9280, 32
     t = cfg.train.tokens_per_step
     f = (6.0 * block * t + 6.0 * 32 * cfg.train.seq_len * t) / 3 / 1e15      # one block's forward
-    assert block / rate > f                                                   # updates are the bound
+    assert block / rate > f and head / rate > 2 * f                           # updates are the bound
     streamed = predict(cfg, speeds)
-    assert streamed["wait_updates_s"] == pytest.approx(embed / rate + 2 * block / rate + f - 2 * f)
+    assert streamed["wait_updates_s"] == pytest.approx((embed + 2 * block + head) / rate - 2 * f)
+
     def placed(n):
         return predict(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement=n)), speeds)
 
-    assert placed(1)["wait_updates_s"] == pytest.approx(2 * block / rate + f - 2 * f)
-    assert placed(2)["wait_updates_s"] == pytest.approx(block / rate - f)   # block 1's update less block 0's forward
-    assert placed(3)["wait_updates_s"] == 0.0
+    assert placed(1)["wait_updates_s"] == pytest.approx((2 * block + head) / rate - 2 * f)
+    assert placed(2)["wait_updates_s"] == pytest.approx((block + head) / rate - 2 * f)   # block 1's, then the head's
+    assert placed(3)["wait_updates_s"] == pytest.approx(head / rate - 2 * f)             # the head's alone
     assert placed(3)["updates_s"] == pytest.approx((streamed["updates_s"] * rate - 2 * block - embed) / rate)
+    # gradients in host memory with clipping: torch's fused AdamW moves 36 bytes a parameter, not 28
+    host = load_config("debug", ["train.grad_accum=1", "optim.grad_placement=host", "optim.clip_grad_norm=1.0"])
+    unclipped = load_config("debug", ["train.grad_accum=1", "optim.grad_placement=host",
+                                      "optim.clip_grad_norm=null"])
+    assert predict(host, speeds)["updates_s"] == pytest.approx(predict(unclipped, speeds)["updates_s"] * 36 / 28)
+    assert predict(unclipped, speeds)["updates_s"] == pytest.approx(streamed["updates_s"])
 
 
 def test_auto_placement_is_the_fastest_that_fits():
@@ -230,8 +239,11 @@ def test_auto_placement_is_the_fastest_that_fits():
 def test_auto_chooses_where_gradients_live_with_the_placement():
     """optim.grad_placement and optim.placement auto, chosen together: under a 24 GiB budget
     the step's gradients held on the GPU leave room for no resident unit, while in host memory
-    they leave room for several, and that predicted step is the faster; with the whole GPU both
-    homes fit the same and the device (the exact sum on the GPU) is kept."""
+    they leave room for several, and without clipping that predicted step is the faster. With
+    clipping, fp32 state updated from host memory moves 36 bytes a parameter (the clipped
+    gradient is written first) against the ring's 28, which here costs more than the resident
+    units save: the device is chosen. With the whole GPU both homes fit the same and the device
+    (the exact sum on the GPU) is kept."""
     over = ["model.shape=llama3b", "train.seq_len=2048", "train.micro_batch_size=4", "train.grad_accum=2",
             "train.compute_dtype=bfloat16", "optim.num_shards=7", "optim.threads_per_shard=2"]
     big = Machine(10**15, 10**15, 139 * GiB)
@@ -242,11 +254,16 @@ def test_auto_chooses_where_gradients_live_with_the_placement():
         rows = choose_placement(c, speeds, gpu_budget(c, big), cast_slab_bytes(c), big.host_bytes)
         return best(rows)
 
-    capped = load_config("debug", [*over, "worker.gpu_memory_gib=24"])
+    capped = load_config("debug", [*over, "worker.gpu_memory_gib=24", "optim.clip_grad_norm=null"])
     dev, host = home(capped, "device"), home(capped, "host")
     assert dev["resident"] == 0 < host["resident"] and host["step_s"] < dev["step_s"]
     chosen = resolve(capped, big).optim
     assert (chosen.grad_placement, chosen.placement) == ("host", host["resident"])
+    clipped = load_config("debug", [*over, "worker.gpu_memory_gib=24", "optim.clip_grad_norm=1.0"])
+    dev_c, host_c = home(clipped, "device"), home(clipped, "host")
+    assert host_c["resident"] == host["resident"]
+    assert host_c["updates_s"] == pytest.approx(host["updates_s"] * 36 / 28)
+    assert dev_c["step_s"] < host_c["step_s"] and resolve(clipped, big).optim.grad_placement == "device"
     whole = load_config("debug", over)
     assert resolve(whole, big).optim.grad_placement == "device"
     assert home(whole, "device")["step_s"] <= home(whole, "host")["step_s"]

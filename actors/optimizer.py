@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from megaray.adamw import AdamW, update_piece
+from megaray.adamw import AdamW, update_piece, writes_clipped_gradient
 from megaray.buffers import DTYPES, Handles, RunBuffers
 from megaray.checkpoint import Checkpoint, PartWriter
 from megaray.config import RunConfig
@@ -54,9 +54,8 @@ class OptimizerShard:
             self.m[i] = torch.zeros(piece.numel, dtype=self.moment_dtype)
             self.v[i] = torch.zeros(piece.numel, dtype=self.moment_dtype)
             self.steps[i] = 0
-        if (handles.grad_placement == "host" and o.clip_grad_norm is not None and self.pieces
-                and handles.master_dtype == o.moment_dtype == handles.grad_dtype == "float32"):
-            self.adam.reserve_scaled(max(handles.pieces[i].numel for i in self.pieces))   # torch's fused path
+        if self.pieces and writes_clipped_gradient(o, handles.grad_placement, handles.grad_dtype):
+            self.adam.reserve_scaled(max(handles.pieces[i].numel for i in self.pieces))
         self.metrics = RunMetrics(handles.run_id, name.rsplit(":", 1)[-1], SHARD_GAUGES)
 
     def __repr__(self) -> str:
@@ -78,7 +77,7 @@ class OptimizerShard:
         """Apply step ``step`` to every piece of this shard as its gradient arrives.
 
         Returns {"update_s": seconds updating, "wait_s": seconds waiting (for the verdict and
-        the gradients), "ring_wait_s": of which for gradients once the verdict was known,
+        the gradients), "grad_wait_s": of which for gradients once the verdict was known,
         "span_s": from the verdict to the last piece's release, "params": parameters updated,
         "skipped": bool}."""
         try:
@@ -91,7 +90,7 @@ class OptimizerShard:
 
     def _apply(self, step: int, lr: float) -> dict:
         timeout = self.cfg.worker.wait_timeout_s
-        out = {"update_s": 0.0, "wait_s": 0.0, "ring_wait_s": 0.0, "span_s": 0.0, "params": 0, "skipped": False}
+        out = {"update_s": 0.0, "wait_s": 0.0, "grad_wait_s": 0.0, "span_s": 0.0, "params": 0, "skipped": False}
         if not self.pieces:
             return out
         control = self.buf.control
@@ -115,7 +114,7 @@ class OptimizerShard:
             else:
                 (grad, waited), finite = source.take(piece, step, timeout, what), True
             out["wait_s"] += waited
-            out["ring_wait_s"] += waited
+            out["grad_wait_s"] += waited
             t0 = time.perf_counter()
             if finite:                      # clipping off: a unit whose own gradient is not finite is skipped
                 self._update(i, grad, lr, coef)

@@ -163,8 +163,8 @@ class Scheduler:
             metrics["optimizer_update_seconds_slowest_shard"] = max(d["update_s"] for d in worked)
             # after the verdict: the last shard's finish, and the shards' waits for gradient pieces
             metrics["optimizer_span_seconds_slowest_shard"] = max(d["span_s"] for d in worked)
-            metrics["optimizer_gradient_wait_seconds_mean_shard"] = sum(d["ring_wait_s"] for d in worked) / len(worked)
-            metrics["optimizer_gradient_wait_seconds_most_shard"] = max(d["ring_wait_s"] for d in worked)
+            metrics["optimizer_gradient_wait_seconds_mean_shard"] = sum(d["grad_wait_s"] for d in worked) / len(worked)
+            metrics["optimizer_gradient_wait_seconds_most_shard"] = max(d["grad_wait_s"] for d in worked)
         metrics.update({f"worker/{k}": v for k, v in res.items()
                         if k not in ("loss_sum", "tokens", "grad_norm", "clip_coef", "applied")})
         return metrics

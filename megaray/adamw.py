@@ -210,6 +210,14 @@ def _check(master, grad, m, v, copy) -> None:
     assert copy is None or (master.dtype == torch.float32 and copy.dtype == torch.bfloat16)
 
 
+def writes_clipped_gradient(optim, grad_placement: str, grad_dtype: str) -> bool:
+    """Whether the shards' updates first write the clipped gradient (``AdamW._torch_fused``:
+    fp32 state and gradients from host memory, with clipping): one slab a shard of host memory,
+    and 36 bytes a parameter moved instead of 28."""
+    return (grad_placement == "host" and optim.clip_grad_norm is not None
+            and (optim.master_dtype, optim.moment_dtype, grad_dtype) == ("float32",) * 3)
+
+
 def torch_fused_applies(master, grad, m) -> bool:
     """fp32 master, moments and gradient: torch's fused AdamW (with or without a copy)."""
     return master.dtype == grad.dtype == m.dtype == torch.float32

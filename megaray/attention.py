@@ -24,10 +24,7 @@ try:        # torch >= 2.5: block-sparse fused attention with a mask function
 except ImportError:       # pragma: no cover - torch 2.4
     BlockMask = create_block_mask = flex_attention = None
 
-try:        # torch >= 2.10: flash attention over documents given by cumulative lengths
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:       # pragma: no cover - older torch
-    varlen_attn = None
+_varlen: object = False    # not looked up yet
 
 FLEX_BLOCK = 128          # FlexAttention's block size: its mask holds a few int32 per block pair
 FLEX_MIN_HEAD_DIM = 16    # its Triton kernels' smallest head
@@ -100,6 +97,21 @@ def document_block_mask(doc: torch.Tensor):
     ragged = {"seq_lengths": (s, s)} if _FLEX_RAGGED else {}
     return BlockMask.from_kv_blocks(*as_kv(partial), *as_kv(full), BLOCK_SIZE=FLEX_BLOCK,
                                     mask_mod=same_document_causal, **ragged)
+
+
+def varlen_kernel():
+    """torch >= 2.10's flash attention over documents given by cumulative lengths
+    (``torch.nn.attention.varlen.varlen_attn``), or None: only ``megaray bench`` times it.
+    Looked up on first use: its module imports torch._dynamo, a second of CPU time that every
+    actor process would otherwise spend at its start."""
+    global _varlen
+    if _varlen is False:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:       # pragma: no cover - older torch
+            varlen_attn = None
+        _varlen = varlen_attn
+    return _varlen
 
 
 def cumulative_lengths(doc: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from megaray.attention import cumulative_lengths, document_block_mask, flex_attention, varlen_attn
+from megaray.attention import cumulative_lengths, document_block_mask, flex_attention, varlen_kernel
 
 HEADS, KV_HEADS, HEAD_DIM = 24, 8, 128
 
@@ -52,7 +52,7 @@ def _case(doc: torch.Tensor, flex, reps: int) -> dict:
     out = {"causal_s": _time(step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)),
                              reps),
            "flex_document_s": _time(step(lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True)), reps)}
-    if varlen_attn is not None:
+    if varlen_kernel() is not None:
         try:
             out.update(_varlen(q, k, v, dy, doc, reps))
         except Exception as e:          # an API that changed between torch versions: say so, time the rest
@@ -76,6 +76,7 @@ def _varlen(q, k, v, dy, doc: torch.Tensor, reps: int) -> dict:
         return t.detach().transpose(1, 2).reshape(batch * seq, t.shape[1], dim).clone().requires_grad_()
 
     qf, kf, vf, dyf = flat(q), flat(k), flat(v), dy.transpose(1, 2).reshape(batch * seq, heads, dim)
+    varlen_attn = varlen_kernel()
     params = inspect.signature(varlen_attn).parameters
     kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     native = "enable_gqa" in params

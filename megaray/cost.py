@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megaray import memory
+from megaray.adamw import writes_clipped_gradient
 from megaray.config import RunConfig
 from megaray.layout import build_layout
 
@@ -133,10 +133,8 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
             * speeds.update_share)
     if cfg.host_compute_copy:
         rate /= 1.2
-    on_device = memory.grads_on_device(cfg)
-    if not on_device and o.clip_grad_norm is not None and (o.master_dtype, o.moment_dtype, o.grad_dtype) == (
-            "float32",) * 3:
-        rate *= 28 / 36                             # torch's fused AdamW: the clipped gradient is a pass of its own
+    if writes_clipped_gradient(o, o.grad_placement, o.grad_dtype):
+        rate *= 28 / 36                             # the clipped gradient is a pass of its own
     updates = streamed / rate
     mm, attn = rates(cfg, speeds)                   # one block's forward:
     f = 2.0 * t.tokens_per_step * (block / mm + m.hidden_size * t.seq_len / attn)

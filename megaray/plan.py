@@ -35,6 +35,7 @@ import os
 from dataclasses import dataclass, field
 
 from megaray import memory
+from megaray.adamw import writes_clipped_gradient
 from megaray.buffers import DTYPES, Handles
 from megaray.config import RunConfig, replaced
 from megaray.cost import Speeds, predict
@@ -193,8 +194,7 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
     streamed = p.params - sum(units[u].numel for u in h.resident)      # resident moments live on the device
     p.host_private = {f"adam moments ({_SHORT[o.moment_dtype]})": 2 * DTYPES[o.moment_dtype].itemsize * streamed,
                       "actor processes": PROCESS_BYTES * (cfg.optim.num_shards + 3 + cfg.worker.count)}
-    if (h.grad_placement == "host" and o.clip_grad_norm is not None
-            and (o.master_dtype, o.moment_dtype, h.grad_dtype) == ("float32",) * 3):
+    if writes_clipped_gradient(o, h.grad_placement, h.grad_dtype):
         p.host_private["clipped gradient, one slab a shard (torch's fused AdamW)"] = h.slab_bytes * o.num_shards
     if on_gpu:
         p.host_private["CUDA libraries of the GPU worker(s)"] = CUDA_PROCESS_BYTES * cfg.worker.count
@@ -370,7 +370,7 @@ def _fitting_step(cfg: RunConfig, machine: Machine, speeds: Speeds, gpu: int | N
     if gpu is not None:
         slab = cast_slab_bytes(cfg)
         offload = memory.offload_count(cfg, gpu, cast_slab_bytes=slab)
-        keep = memory.keep_count(cfg, gpu, offload, slab)
+        keep, _ = memory.keep_choice(cfg, gpu, offload, slab)
     return predict(cfg, speeds, keep)["step_s"]
 
 
@@ -385,8 +385,8 @@ def choose_placement(cfg: RunConfig, speeds: Speeds, budget_bytes: int, cast_sla
     for res in range(cfg.model.num_hidden_layers + 2):
         c = replaced(cfg, "optim", placement=res)
         offload = memory.offload_count(c, budget_bytes, cast_slab_bytes=cast_slab_bytes)
-        keep = memory.keep_count(c, budget_bytes, offload, cast_slab_bytes)
-        need = memory.gpu_total(c, keep, offload, cast_slab_bytes)
+        keep, lean = memory.keep_choice(c, budget_bytes, offload, cast_slab_bytes)    # the worker's choice
+        need = memory.gpu_total(c, keep, offload, cast_slab_bytes, lean)
         if need > budget_bytes:
             break                                   # more resident units need more GPU memory
         host = plan(c, keep=keep, offload=offload).host_total

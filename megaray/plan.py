@@ -195,7 +195,7 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
     p.host_private = {f"adam moments ({_SHORT[o.moment_dtype]})": 2 * DTYPES[o.moment_dtype].itemsize * streamed,
                       "actor processes": PROCESS_BYTES * (cfg.optim.num_shards + 3 + cfg.worker.count)}
     if writes_clipped_gradient(o, h.grad_placement, h.grad_dtype):
-        p.host_private["clipped gradient, one slab a shard (torch's fused AdamW)"] = h.slab_bytes * o.num_shards
+        p.host_private["clipped gradient (a slab a shard)"] = h.slab_bytes * o.num_shards
     if on_gpu:
         p.host_private["CUDA libraries of the GPU worker(s)"] = CUDA_PROCESS_BYTES * cfg.worker.count
     else:

@@ -95,7 +95,7 @@ def test_auto_keeps_gradients_on_the_gpu_while_they_fit():
     assert host.shm["gradients waiting for the norm (fp32, host)"] >= 4 * n
     # each shard holds one slab for the clipped fp32 gradient of torch's fused AdamW (64 MiB by
     # default); without clipping, or on the device, there is none
-    scratch = "clipped gradient, one slab a shard (torch's fused AdamW)"
+    scratch = "clipped gradient (a slab a shard)"
     assert host.host_private[scratch] == 4 * 64 * 2**20
     unclipped = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, clip_grad_norm=None))
     assert scratch not in plan_for(unclipped, small).host_private

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge
 
-from megaray.plan import available, meminfo
+from megaray.plan import in_use, meminfo
 
 TAG_KEYS = ("run", "actor")
 
@@ -59,5 +59,4 @@ class RunMetrics:
 
 def node_memory_used_bytes() -> int:
     """Memory in use on this node (MemTotal - MemAvailable): every process's, not the run's."""
-    info = meminfo()
-    return info["MemTotal"] - available(info)
+    return in_use(meminfo())

@@ -113,7 +113,6 @@ class OptimizerShard:
                 grad, finite, waited = source.take(piece, step, timeout, what)
             else:
                 (grad, waited), finite = source.take(piece, step, timeout, what), True
-            out["wait_s"] += waited
             out["grad_wait_s"] += waited
             t0 = time.perf_counter()
             if finite:                      # clipping off: a unit whose own gradient is not finite is skipped
@@ -122,6 +121,7 @@ class OptimizerShard:
             source.release(piece, step)
             out["update_s"] += time.perf_counter() - t0
         out["span_s"] = time.perf_counter() - start
+        out["wait_s"] += out["grad_wait_s"]
         if out["update_s"] > 0:
             self.metrics.set(optimizer_seconds=out["update_s"],
                              optimizer_params_per_second=out["params"] / out["update_s"])

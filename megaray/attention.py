@@ -9,6 +9,7 @@ SDPA. Causal attention is SDPA's own (flash on CUDA).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -23,8 +24,6 @@ try:        # torch >= 2.5: block-sparse fused attention with a mask function
     from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 except ImportError:       # pragma: no cover - torch 2.4
     BlockMask = create_block_mask = flex_attention = None
-
-_varlen: object = False    # not looked up yet
 
 FLEX_BLOCK = 128          # FlexAttention's block size: its mask holds a few int32 per block pair
 FLEX_MIN_HEAD_DIM = 16    # its Triton kernels' smallest head
@@ -99,19 +98,17 @@ def document_block_mask(doc: torch.Tensor):
                                     mask_mod=same_document_causal, **ragged)
 
 
+@functools.cache
 def varlen_kernel():
     """torch >= 2.10's flash attention over documents given by cumulative lengths
     (``torch.nn.attention.varlen.varlen_attn``), or None: only ``megaray bench`` times it.
     Looked up on first use: its module imports torch._dynamo, a second of CPU time that every
     actor process would otherwise spend at its start."""
-    global _varlen
-    if _varlen is False:
-        try:
-            from torch.nn.attention.varlen import varlen_attn
-        except ImportError:       # pragma: no cover - older torch
-            varlen_attn = None
-        _varlen = varlen_attn
-    return _varlen
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:       # pragma: no cover - older torch
+        return None
+    return varlen_attn
 
 
 def cumulative_lengths(doc: torch.Tensor) -> tuple[torch.Tensor, int]:

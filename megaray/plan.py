@@ -73,6 +73,11 @@ def available(info: dict[str, int]) -> int:
     return info.get("MemAvailable", info["MemFree"])
 
 
+def in_use(info: dict[str, int]) -> int:
+    """Memory in use by every process: total less available."""
+    return info["MemTotal"] - available(info)
+
+
 def _read_int(path: str) -> int | None:
     try:
         with open(path) as f:
@@ -81,15 +86,15 @@ def _read_int(path: str) -> int | None:
         return None
 
 
-def ray_memory_view(meminfo: dict, cgroup: str = "/sys/fs/cgroup") -> tuple[int, int]:
+def ray_memory_view(info: dict, cgroup: str = "/sys/fs/cgroup") -> tuple[int, int]:
     """(used, total) bytes as Ray's memory monitor counts them: a cgroup v2's memory.current
     less its inactive file pages, else total less available; the total is the cgroup's limit
     where it sets one below the machine's memory."""
-    total = meminfo["MemTotal"]
+    total = info["MemTotal"]
     limit = _read_int(f"{cgroup}/memory.max")
     if limit:
         total = min(total, limit)
-    used = meminfo["MemTotal"] - available(meminfo)
+    used = in_use(info)
     current = _read_int(f"{cgroup}/memory.current")
     if current is not None:
         try:

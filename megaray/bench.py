@@ -192,6 +192,7 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
                   f"GPU idle {100 * breakdown(m)['gpu_idle_fraction']:.1f}%", flush=True)
         s.drain()
         out["resident_units"] = len(s.handles.resident)     # optim.placement, as the session resolved it
+        out["ring_slabs"] = s.handles.ring_slabs            # optim.grad_ring_slabs, likewise (0: no ring)
         out["host_bytes_per_param"] = plan(s.cfg).host_bytes_per_param
         try:
             out["link_alone"] = ray.get(s.actors["worker"].link_speed.remote())
@@ -306,7 +307,7 @@ def print_table(r: dict) -> None:
     print(f"{r['shape']} ({r['params'] / 1e9:.2f}B params) seq {r['seq_len']}, {r['tokens_per_step']} tokens/step "
           f"({r['grad_accum']} x {r['micro_batch']} x {r['seq_len']}), "
           f"{r['shards']} shards x {r['threads_per_shard']} threads, "
-          f"{r['host_bytes_per_param']:.2f} host bytes/param, "
+          f"{r['host_bytes_per_param']:.2f} host bytes/param, {r.get('ring_slabs', 0)} ring slabs, "
           + describe_placement(r.get("resident_units", 0)) + f", {r.get('attention', 'causal')} attention"
           + (f" ({100 * r['attention_work_of_causal']:.1f}% of causal attention's work, as TFLOP/s counts it)"
              if "attention_work_of_causal" in r else ""))

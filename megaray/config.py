@@ -129,6 +129,8 @@ class TrainConfig:
 
 
 AUTO_DEVICE_CAST_TOKENS = 32768   # optim.compute_copy=auto casts on the device from this many tokens a worker
+RING_SLABS_PER_SHARD = 8          # optim.grad_ring_slabs=null: the deepest ring, as host memory allows
+MIN_RING_SLABS_PER_SHARD = 2      # ... and the shallowest
 
 
 @dataclass(kw_only=True)
@@ -164,8 +166,13 @@ class OptimConfig:
     pieces of at most this size, and each piece is one optimizer update. Part of the
     optimizer state's layout: a checkpoint resumes only with the same value."""
     grad_ring_slabs: int | None = None
-    """Pinned host slabs in the gradient ring (the only host memory gradients use);
-    null: 2 per optimizer shard, so every shard has one piece to update and one arriving."""
+    """Pinned host slabs in the gradient ring (the only host memory gradients use with
+    grad_placement 'device'); null: up to RING_SLABS_PER_SHARD (8) per optimizer shard, as
+    host memory allows (``megaray.plan.resolve``; never fewer than 2 a shard: one piece to
+    update and one arriving) and never more than the run has gradient pieces. Piece p waits
+    for slab p mod R, so a deep ring lets the copy-out run ahead of a shard that is behind:
+    llama8b on the H200, 7 shards, 14 / 28 / 56 slabs: 393.1 / 400.5 / 403.9 TFLOP/s
+    (BENCHMARKS.md, session 13)."""
     moment_dtype: str = "float32"
     """Dtype of the Adam moments: float32 (8 bytes a parameter) or bfloat16 (4: the update
     still computes in fp32 and rounds the moments to nearest when it stores them)."""
@@ -257,7 +264,8 @@ class OptimConfig:
 
     @property
     def ring_slabs(self) -> int:
-        return self.grad_ring_slabs or 2 * self.num_shards
+        """The ring's slabs as set, else the shallowest (until ``plan.resolve`` deepens it)."""
+        return self.grad_ring_slabs or MIN_RING_SLABS_PER_SHARD * self.num_shards
 
     @property
     def resident_units(self) -> int:

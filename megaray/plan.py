@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from megaray import memory
 from megaray.adamw import writes_clipped_gradient
 from megaray.buffers import DTYPES, Handles
-from megaray.config import RunConfig, replaced
+from megaray.config import MIN_RING_SLABS_PER_SHARD, RING_SLABS_PER_SHARD, RunConfig, replaced
 from megaray.cost import Speeds, predict
 from megaray.errors import PlanError
 from megaray.layout import build_layout
@@ -48,6 +48,7 @@ _USABLE = "what is free, at most worker.gpu_memory_gib, less the allocator's res
 PROCESS_BYTES = int(0.4 * GiB)   # one actor process: interpreter, torch, Ray worker
 CUDA_PROCESS_BYTES = int(1.5 * GiB)   # a GPU worker's CUDA libraries and context on the host (1.3 GB measured)
 RAY_KILL_THRESHOLD = 0.95        # Ray's default RAY_memory_usage_threshold
+RING_HEADROOM = 0.10             # of the host's memory, left free when the gradient ring deepens
 
 
 def ray_kill_fraction() -> float | None:
@@ -355,6 +356,10 @@ def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> R
             return homes[0] if gpu is None or p.gpu_total <= gpu else homes[-1]
         fastest = min(step for step, _ in timed)
         return next(c for step, c in timed if step <= fastest * 1.005)
+    if cfg.optim.grad_ring_slabs is None:          # placed with the shallowest ring, then deepened
+        shallow = replaced(cfg, "optim", grad_ring_slabs=MIN_RING_SLABS_PER_SHARD * cfg.optim.num_shards)
+        shallow = resolve(shallow, machine, speeds)
+        return replaced(shallow, "optim", grad_ring_slabs=ring_depth(shallow, machine))
     if cfg.optim.placement == "auto":
         gpu = gpu_budget(cfg, machine)
         res = 0
@@ -363,6 +368,21 @@ def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> R
             res = best(rows)["resident"] if rows else 0
         cfg = replaced(cfg, "optim", placement=res or "host")
     return cfg
+
+
+def ring_depth(cfg: RunConfig, machine: Machine) -> int:
+    """The gradient ring's slabs for a resolved config whose ring is set at its shallowest: up
+    to RING_SLABS_PER_SHARD a shard, with what host memory and /dev/shm hold beyond the plan
+    less RING_HEADROOM of the host's memory (the plan's own error is a few GiB: a deep ring
+    buys a few percent of a step, a run killed for memory loses it all)."""
+    o = cfg.optim
+    if o.grad_placement == "host":
+        return o.ring_slabs                         # no ring: the gradients wait in their own regions
+    p = plan_for(cfg, machine)
+    slab = Handles.for_config(cfg, "plan", 0, build_layout(cfg.model)).slab_bytes
+    spare = min(machine.host_bytes - p.host_total, machine.shm_bytes - p.shm_total)
+    extra = max(0, (spare - int(RING_HEADROOM * machine.host_bytes)) // slab)
+    return min(RING_SLABS_PER_SHARD * o.num_shards, o.ring_slabs + extra)
 
 
 def _fitting_step(cfg: RunConfig, machine: Machine, speeds: Speeds, gpu: int | None) -> float | None:

@@ -20,6 +20,7 @@ from megaray.plan import (
     plan,
     plan_for,
     ray_memory_view,
+    resolve,
     savings,
 )
 
@@ -151,6 +152,32 @@ def test_check_refuses_with_the_shortfall():
     with pytest.raises(PlanError, match=r"shared memory.*\n.*GPU memory: needs [\d.]+ GiB, [\d.]+ GiB usable"):
         check(cfg, tight)
     assert check(cfg, Machine(100 * GiB, 100 * GiB, enough)) is not None
+
+
+def test_gradient_ring_deepens_with_what_host_memory_spares():
+    # 4 shards: 8 slabs at the shallowest, 32 at the deepest; llama3b's pieces fill 64 MiB slabs
+    cfg = load_config("debug", ["model.shape=llama3b", "train.compute_dtype=bfloat16", "optim.num_shards=4",
+                                "optim.placement=host", "optim.grad_placement=device"])
+    slab = 64 * 2**20
+    shallow = plan_for(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_ring_slabs=8)),
+                       Machine(10**15, 10**15, None))
+    need = shallow.host_total
+
+    def ring(host_bytes, shm_bytes=10**15):
+        return resolve(cfg, Machine(host_bytes, shm_bytes, None)).optim.grad_ring_slabs
+
+    assert ring(10**15) == 32                                   # ample memory: 8 a shard
+    assert ring(need) == 8                                      # none to spare: the shallowest
+    # 10% of the host stays free; what is left beyond the plan buys whole slabs: 5.5 slabs -> 5
+    host = math.ceil((need + 5.5 * slab) / 0.9)
+    assert ring(host) == 8 + 5
+    assert ring(host, shm_bytes=shallow.shm_total + 2 * slab + int(0.1 * host)) == 8 + 2   # /dev/shm is short
+    # gradients waiting in host memory have no ring at all
+    home = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_placement="host"))
+    assert "gradient ring" not in " ".join(plan_for(home, Machine(10**15, 10**15, None)).shm)
+    # never more slabs than pieces: the debug model has 11 pieces of 16 KiB slabs
+    tiny = load_config("debug", ["optim.grad_slab_mib=0.015625", "optim.num_shards=2"])
+    assert plan_for(tiny, Machine(10**15, 10**15, None)).shm["gradient ring (11 x 0.015625 MiB)"] == 11 * 16384
 
 
 def test_largest_fit_is_the_edge():

@@ -339,12 +339,15 @@ def gpu_budget(cfg: RunConfig, machine: Machine) -> int | None:
 
 def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> RunConfig:
     """The config with its 'auto' choices decided for ``machine``, together:
-    ``optim.grad_placement`` and ``optim.placement``. For each home of the gradients (the
+    ``optim.grad_placement``, ``optim.placement`` and ``optim.grad_ring_slabs``. For each home of the gradients (the
     device, host memory) the placement is the cost model's fastest number of resident units
     within the GPU budget and host memory (``choose_placement``; host without a GPU, or where
     resident units cannot be: bf16 state, several workers, a remote worker); of the homes
     with which the run fits, the faster predicted step wins, the device among equals (within
-    0.5%). Without a GPU the gradients stay with the worker (the device)."""
+    0.5%). Without a GPU the gradients stay with the worker (the device). Then
+    ``optim.grad_ring_slabs``: the placement is chosen with the shallowest ring, which
+    ``ring_depth`` deepens with what host memory spares, so a deep ring never costs a
+    resident unit."""
     speeds = speeds or shard_speeds(cfg)
     if cfg.optim.grad_placement == "auto":
         gpu = gpu_budget(cfg, machine)

@@ -140,6 +140,7 @@ class Plan:
     keep_blocks: int = 0
     offload_inputs: int = 0
     gpu_budget: int | None = None   # what the run may use of the machine's GPU (plan_for sets it)
+    slab_bytes: int = 0             # one gradient slab (of the ring, or of a shard's clipped gradient)
 
     @property
     def shm_total(self) -> int:
@@ -185,7 +186,7 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
     m, t = cfg.model, cfg.train
     units = build_layout(m)
     h = Handles.for_config(cfg, "plan", 0, units)
-    p = Plan(params=m.num_params())
+    p = Plan(params=m.num_params(), slab_bytes=h.slab_bytes)
     o = cfg.optim
     p.shm = {f"{_SHORT[o.master_dtype]} master weights": h.held_bytes("master")}     # resident: on the GPU
     if not h.aliased:
@@ -382,9 +383,8 @@ def ring_depth(cfg: RunConfig, machine: Machine) -> int:
     if o.grad_placement == "host":
         return o.ring_slabs                         # no ring: the gradients wait in their own regions
     p = plan_for(cfg, machine)
-    slab = Handles.for_config(cfg, "plan", 0, build_layout(cfg.model)).slab_bytes
     spare = min(machine.host_bytes - p.host_total, machine.shm_bytes - p.shm_total)
-    extra = max(0, (spare - int(RING_HEADROOM * machine.host_bytes)) // slab)
+    extra = max(0, (spare - int(RING_HEADROOM * machine.host_bytes)) // p.slab_bytes)
     return min(RING_SLABS_PER_SHARD * o.num_shards, o.ring_slabs + extra)
 
 

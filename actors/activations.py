@@ -9,7 +9,10 @@ Every block's *input* is saved for each micro-batch. Beyond that:
   block fits that way (``memory.kept_plain``), plain autograd's activations, which run faster;
 - the first N blocks' inputs wait in pinned host memory (``worker.offload_inputs``, or, when
   unset, the fewest the model needs for the step to fit), going out on the offload stream
-  after the compute that wrote them and coming back one block ahead of their backward.
+  after the compute that wrote them and coming back one block ahead of their backward;
+- with ``worker.input_stride`` S > 1 only every S-th recomputed block's input is saved at all
+  (and, among the first N, offloaded); the backward rebuilds the others from it
+  (``memory.recompute_order``).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class ActivationPolicy:
         self.cfg, self.dev = cfg, dev
         self.L = cfg.model.num_hidden_layers
         self.block_numel, self.dtype, self.cast_slab_bytes = block_numel, dtype, cast_slab_bytes
+        self.stride = cfg.worker.stride             # every stride-th block's input is saved
         self._keep: int | None = None
         self.lean = True                            # kept blocks save the lean block's internals
         self._offload: int | None = None
@@ -88,8 +92,9 @@ class ActivationPolicy:
         return self._kept_bufs[k]
 
     def host_buffer(self, n: int, like: torch.Tensor, M: int) -> torch.Tensor:
-        """Host memory for n blocks' inputs of M micro-batches, allocated (and pinned) once."""
-        shape = (n, M) + tuple(like.shape)
+        """Host memory for the saved inputs among the first n blocks, of M micro-batches,
+        allocated (and pinned) once."""
+        shape = (memory.anchors(n, self.stride), M) + tuple(like.shape)
         if self.host_inputs is None or tuple(self.host_inputs.shape) != shape:
             self.free_host_buffer()
             self.host_inputs, self._host_mapping = self.dev.pinned_empty(shape, like.dtype)
@@ -104,28 +109,28 @@ class ActivationPolicy:
 
     def offload(self, j: int, acts: list, timer: StepTimer) -> None:
         """Send block j's saved inputs to host memory (after the compute that wrote them)."""
-        host = self.host_inputs
+        host = self.host_inputs[j // self.stride]
         if self.dev.cuda:
             ev = self.dev.event_after_compute()
             with torch.cuda.stream(self.dev.offload_stream):
                 self.dev.offload_stream.wait_event(ev)
                 for m, x in enumerate(acts[j]):
-                    host[j, m].copy_(x, non_blocking=True)
+                    host[m].copy_(x, non_blocking=True)
                     x.record_stream(self.dev.offload_stream)   # its memory is reused only after the copy
         else:
             for m, x in enumerate(acts[j]):
-                host[j, m].copy_(x)
+                host[m].copy_(x)
         timer.add("offload_bytes", sum(x.numel() * x.element_size() for x in acts[j]))
         acts[j] = [None] * len(acts[j])
 
     def fetch(self, j: int, acts: list):
         """Bring block j's inputs back to the device; returns the event compute waits on."""
-        host = self.host_inputs
+        host = self.host_inputs[j // self.stride]
         if not self.dev.cuda:
-            acts[j] = [host[j, m].clone() for m in range(host.shape[1])]
+            acts[j] = [x.clone() for x in host]
             return None
         with torch.cuda.stream(self.dev.offload_stream):
-            back = [host[j, m].to(self.dev.device, non_blocking=True) for m in range(host.shape[1])]
+            back = [x.to(self.dev.device, non_blocking=True) for x in host]
             ev = torch.cuda.Event()
             ev.record(self.dev.offload_stream)
         for x in back:

@@ -1,10 +1,14 @@
 """The worker's weight slots: layer units brought onto the device, double buffered.
 
-Block units alternate between two device buffers (``block0``, ``block1``); the embedding
-and the head have one each. ``stage(u, step)`` starts bringing unit u's compute weights as of
-step ``step`` into its slot on a copy thread, while the unit before it computes; the compute
-stream waits for the copy's event (``ready``) before it reads the slot, and the copy stream
-waits for the slot's last reader (``release``) before it overwrites it.
+Block units share two device buffers (``block0``, ``block1``); the embedding and the head
+have one each. ``stage(u, step)`` starts bringing unit u's compute weights as of step
+``step`` into a slot on a copy thread, while the unit before it computes; the compute stream
+waits for the copy's event (``ready``) before it reads the slot, and the copy stream waits
+for the slot's last reader (``release``) before it overwrites it. A block goes to whichever
+block slot is free (staged units are busy until released), the one released longest ago
+first: in a plain pass the two alternate, and a block staged again while its slot still
+holds it is not copied again (the backward's first block, left there by the forward; an
+anchor block run forward again and then backward, ``worker.input_stride``).
 
 Where the weights come from:
 - ``SharedSource``: the run's shared memory on this node. A unit crosses piece by piece, each
@@ -73,6 +77,12 @@ class RelaySource:
         return get_or_raise(self.relay.version.remote(), "relay")
 
 
+def _done() -> Future:
+    fut: Future = Future()
+    fut.set_result(None)
+    return fut
+
+
 class WeightSlots:
     """Device slots for the embedding (unless it is resident), the head and two alternating
     block buffers."""
@@ -90,12 +100,37 @@ class WeightSlots:
             self.slots["embed"] = dev.empty(self.units[0].numel, self.dtype)
         self.holds: dict[str, tuple[int, int]] = {}          # slot -> (unit, step) it holds or is receiving
         self.free_event: dict[str, object] = {}              # slot -> event after its last reader
+        self.where: dict[int, str] = {}                      # block unit -> the block slot it was staged into
+        self.busy: set[str] = set()                          # block slots staged and not yet released
+        self.released: dict[str, int] = {}                   # block slot -> when it was last released
+        self._releases = 0
         self._staging: torch.Tensor | None = None            # fp32 slab for the on-device cast
         self.copy_in = ThreadPoolExecutor(1, thread_name_prefix="copy-in")
 
     def slot_name(self, u: int) -> str:
+        """The slot that holds (or receives) unit u."""
         kind = self.units[u].kind
-        return f"block{(u - 1) % 2}" if kind == "block" else kind
+        if kind != "block":
+            return kind
+        if u not in self.where:
+            raise KeyError(f"{self.units[u].name} is in no block slot")
+        return self.where[u]
+
+    def _block_slot(self, u: int, step: int) -> str:
+        """The block slot unit u is staged into: its own, if it holds it still; else the free
+        one released longest ago."""
+        for name in ("block0", "block1"):
+            if self.holds.get(name) == (u, step):
+                return name
+        free = [name for name in ("block0", "block1") if name not in self.busy]
+        if not free:
+            raise RuntimeError(f"no free block slot for {self.units[u].name}: both hold units not yet released")
+        return min(free, key=lambda name: self.released.get(name, -1))
+
+    def begin(self) -> None:
+        """A pass over the units starts: every block slot is free to take a new unit (after a
+        failed step too). What the slots hold stays, for a block staged again."""
+        self.busy.clear()
 
     def flat(self, u: int) -> torch.Tensor:
         if u in self.resident_units:
@@ -112,11 +147,18 @@ class WeightSlots:
     def stage(self, u: int, step: int, timer: StepTimer, clock: StepClock) -> Future:
         """Start bringing unit u's compute weights (as of step ``step``) into its slot (a
         resident unit's are on the device already: updated in order on the compute stream)."""
-        slot = self.slot_name(u)
-        if self.holds.get(slot) == (u, step) or u in self.resident_units:
-            fut: Future = Future()
-            fut.set_result(None)
-            return fut
+        if u in self.resident_units:
+            return _done()
+        block = self.units[u].kind == "block"
+        slot = self._block_slot(u, step) if block else self.units[u].kind
+        if block:
+            self.busy.add(slot)
+            before = self.holds.get(slot)
+            if before is not None and self.where.get(before[0]) == slot:
+                del self.where[before[0]]
+            self.where[u] = slot
+        if self.holds.get(slot) == (u, step):
+            return _done()
         self.holds[slot] = (u, step)
         free_ev = self.free_event.get(slot)
         dst = self.flat(u)
@@ -147,13 +189,20 @@ class WeightSlots:
         """Compute issued so far has finished reading unit u's slot before it is refilled."""
         if u in self.resident_units:
             return
+        slot = self.slot_name(u)
         ev = self.dev.event_after_compute()
         if ev is not None:
-            self.free_event[self.slot_name(u)] = ev
+            self.free_event[slot] = ev
+        if slot in self.busy:
+            self.busy.discard(slot)
+            self._releases += 1
+            self.released[slot] = self._releases
 
     def forget(self, slot: str) -> None:
         """The slot's contents were overwritten outside staging (the link measurement)."""
-        self.holds.pop(slot, None)
+        held = self.holds.pop(slot, None)
+        if held is not None and self.where.get(held[0]) == slot:
+            del self.where[held[0]]
 
     def copy_in_range(self, dst: torch.Tensor, src: torch.Tensor, timer: StepTimer, clock: StepClock | None):
         """Copy host ``src`` into device ``dst``; on CUDA on the copy stream, returning the

@@ -8,7 +8,9 @@ shards through the shared control words (``megaray.protocol``) alone.
 
 A step reads: forward (embedding, then each block, saving its input); head (the chunked
 loss and its gradient); backward (each block from its saved input, recomputed unless kept,
-its fp32 gradient accumulated over the micro-batches on the device); decide and ship (the
+its fp32 gradient accumulated over the micro-batches on the device; with
+``worker.input_stride`` S > 1 only every S-th block's input is saved, and the blocks above
+it run forward again to rebuild the others': ``memory.recompute_order``); decide and ship (the
 global norm, the verdict, exact clipping, copy-out). The concerns live beside this file:
 ``staging`` (the double-buffered weight slots and where weights come from), ``activations``
 (what is kept, recomputed or offloaded), ``shipping`` (the verdict and the gradients'
@@ -137,6 +139,7 @@ class GpuWorker:
             timer.add(k, v)
         out.update(tokens=n_tokens, kept_blocks=self.L - kept["keep_from"], kept_block_bytes=self.acts.kept_block_bytes,
                    kept_plain=float(not kept["lean"]), offloaded_inputs=kept["offloaded"],
+                   input_stride=self.acts.stride,
                    worker_s=time.perf_counter() - t_start)
         out.update(timer.t)
         for k, v in self.shipper.finished_stats().items():   # the previous step's copy-out (during this forward)
@@ -147,17 +150,22 @@ class GpuWorker:
         return out
 
     def _forward(self, step: int, inputs, packs: list, timer: StepTimer, clock: StepClock):
-        """Embedding and blocks, saving each block's input; the last blocks keep their internals."""
+        """Embedding and blocks, saving each block's input (every stride-th recomputed block's);
+        the last blocks keep their internals."""
         t0 = time.perf_counter()
         U, L, M = len(self.units), self.L, inputs.shape[0]
         slots, acts_policy = self.slots, self.acts
+        slots.begin()
         slots.ready(slots.stage(0, step, timer, clock), timer)
         nxt = slots.stage(1 if L else U - 1, step, timer, clock)
         acts: list[list[torch.Tensor]] = [[None] * M for _ in range(L + 1)]
         keep_from = L - acts_policy.keep_count()
         n_off = acts_policy.offload_count(keep_from)
-        # blocks: block -> (flat, views, [(x, y)]); packs: each micro-batch's documents, for the recomputation
-        kept = {"blocks": {}, "keep_from": keep_from, "offloaded": n_off, "packs": packs, "lean": acts_policy.lean}
+        stride = acts_policy.stride
+        # blocks: block -> (flat, views, [(x, y)]); packs: each micro-batch's documents, for the
+        # recomputation; order: the backward's passes over the recomputed blocks
+        kept = {"blocks": {}, "keep_from": keep_from, "offloaded": n_off, "packs": packs, "lean": acts_policy.lean,
+                "order": memory.recompute_order(keep_from, stride)}
         mlp_chunk = self.cfg.train.mlp_chunk_tokens
         with torch.no_grad(), clock.span(0):
             _, we = slots.weights(0, grad=False)
@@ -173,7 +181,9 @@ class GpuWorker:
                     for m in range(M):
                         acts[i + 1][m] = block_forward(w, acts[i][m], self.rope, self.mcfg, mlp_chunk,
                                                        pk=packs[m])
-                if i < n_off:
+                if i % stride:              # rebuilt in the backward, from the saved input below
+                    acts[i] = [None] * M
+                elif i < n_off:
                     acts_policy.host_buffer(n_off, acts[i][0], M)
                     acts_policy.offload(i, acts, timer)
             else:
@@ -205,8 +215,8 @@ class GpuWorker:
         U, L, M = len(self.units), self.L, len(acts[0])
         slots = self.slots
         slots.ready(nxt, timer)
-        if L and L - 1 < kept["keep_from"]:
-            nxt = slots.stage(L, step, timer, clock)               # the last block, still resident
+        if L and kept["keep_from"] == L:      # the backward's first block (still in its slot from the forward)
+            nxt = slots.stage(kept["order"][0][0] + 1, step, timer, clock)
         tied = self.mcfg.tie_word_embeddings
         g_head = self.dev.zeros(self.units[-1].numel)
         g_embed = self.dev.zeros(self.units[0].numel)
@@ -239,45 +249,57 @@ class GpuWorker:
 
     def _backward(self, step: int, inputs, acts: list, kept: dict, dys: list, g_embed, nxt, grads: list, sq: list,
                   timer: StepTimer, clock: StepClock) -> None:
-        """The blocks in reverse, each recomputed from its saved input unless kept, then the
-        embedding's lookup gradient (plus the tied head's contribution)."""
+        """The blocks in reverse: the kept ones from their saved internals, then the others
+        in ``memory.recompute_order`` (each recomputed from its input, rebuilt first where it
+        was not saved); then the embedding's lookup gradient (plus the tied head's
+        contribution)."""
         t0 = time.perf_counter()
         L, M = self.L, len(dys)
         slots, policy = self.slots, self.acts
-        keep_from, n_off = kept["keep_from"], kept["offloaded"]
+        keep_from, n_off, order = kept["keep_from"], kept["offloaded"], kept["order"]
         mlp_chunk = self.cfg.train.mlp_chunk_tokens
-        first = keep_from - 1                               # the first recomputed block: its inputs
-        fetched = policy.fetch(first, acts) if 0 <= first < n_off else None   # come back first
-        for i in reversed(range(L)):
+        # the first recomputed segment's saved input comes back from host memory first
+        fetched = policy.fetch(order[0][0], acts) if order and order[0][0] < n_off else None
+        for i in reversed(range(keep_from, L)):
             u = i + 1
-            g = None
-            if i in kept["blocks"]:
-                flat, w, pairs = kept["blocks"].pop(i)
-                if i - 1 == keep_from - 1 and i > 0:
-                    nxt = slots.stage(u - 1, step, timer, clock)   # first recomputed block below
-                with clock.span(u):
-                    g = self.dev.zeros(self.units[u].numel)
-                    for m, (x, y) in enumerate(pairs):
-                        dys[m] = self._block_backward(self.units[u], w, y, x, dys[m], g)
-                        acts[i][m] = None
-                del pairs, flat, w
-            else:
-                slots.ready(nxt, timer)
-                if i > 0:
-                    nxt = slots.stage(u - 1, step, timer, clock)
-                self.dev.compute_waits(fetched)
-                fetched = policy.fetch(i - 1, acts) if 0 < i <= n_off else None
-                with clock.span(u):
-                    g = self.dev.zeros(self.units[u].numel)
-                    _, w = slots.weights(u, grad=True)
+            flat, w, pairs = kept["blocks"].pop(i)
+            if i == keep_from and order:
+                nxt = slots.stage(order[0][0] + 1, step, timer, clock)   # the first recomputed block
+            with clock.span(u):
+                g = self.dev.zeros(self.units[u].numel)
+                for m, (x, y) in enumerate(pairs):
+                    dys[m] = self._block_backward(self.units[u], w, y, x, dys[m], g)
+                    acts[i][m] = None
+            del pairs, flat, w
+            self._gradient_done(step, u, g, grads, sq, clock)
+        for k, (i, with_grad, _) in enumerate(order):
+            u = i + 1
+            slots.ready(nxt, timer)
+            after = order[k + 1] if k + 1 < len(order) else None
+            if after is not None:
+                nxt = slots.stage(after[0] + 1, step, timer, clock)
+            self.dev.compute_waits(fetched)
+            # the next segment's saved input, if it waits in host memory: back one pass ahead
+            fetched = policy.fetch(after[0], acts) if after is not None and after[2] and after[0] < n_off else None
+            if not with_grad:                   # rebuild the input of the block above
+                with torch.no_grad(), clock.span(u):
+                    _, w = slots.weights(u, grad=False)
                     for m in range(M):
-                        x = acts[i][m].detach().requires_grad_()
-                        acts[i][m] = None
-                        with torch.enable_grad():
-                            y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk, lean=self.recompute_lean,
-                                              pk=kept["packs"][m])
-                            dys[m] = self._block_backward(self.units[u], w, y, x, dys[m], g)
+                        acts[i + 1][m] = block_forward(w, acts[i][m], self.rope, self.mcfg, mlp_chunk,
+                                                       pk=kept["packs"][m])
                 slots.release(u)
+                continue
+            with clock.span(u):
+                g = self.dev.zeros(self.units[u].numel)
+                _, w = slots.weights(u, grad=True)
+                for m in range(M):
+                    x = acts[i][m].detach().requires_grad_()
+                    acts[i][m] = None
+                    with torch.enable_grad():
+                        y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk, lean=self.recompute_lean,
+                                          pk=kept["packs"][m])
+                        dys[m] = self._block_backward(self.units[u], w, y, x, dys[m], g)
+            slots.release(u)
             self._gradient_done(step, u, g, grads, sq, clock)
         with clock.span(0):
             emb_flat, we = slots.weights(0, grad=True)
@@ -469,6 +491,7 @@ class GpuWorker:
         also the head's and the embedding's bound weights, still resident: the caller
         releases those two slots once it has used them."""
         timer, clock, slots = StepTimer(), StepClock(self.dev), self.slots
+        slots.begin()
         slots.ready(slots.stage(0, step, timer, clock), timer)
         _, we = slots.weights(0, grad=False)
         xs = [embed_forward(we, x) for x in inputs]

@@ -295,6 +295,15 @@ class WorkerConfig:
     """Blocks (the first ones) whose saved inputs wait in pinned host memory between the
     forward and the backward instead of on the GPU; null: none, unless the memory plan does
     not fit the GPU, then as many as it takes."""
+    input_stride: int | None = None
+    """Every how many blocks a recomputed block's input is saved between the forward and the
+    backward. 1: every block's. S > 1: only every S-th block's (blocks 0, S, 2S, ... below the
+    kept ones); the backward rebuilds the others' by running the blocks below them forward
+    again from the saved one, each block's weights still crossing the link once: a 1/S share
+    of the inputs' memory for (S-1)/S more forward passes of those blocks (S=2: an eighth more
+    compute for a recomputed block, half its inputs). The long-context setting for a step whose
+    inputs neither fit the GPU nor, offloaded, host memory. Null: 1, unless the run does not
+    fit this machine that way and does with 2, 3 or 4 (the smallest; megaray.plan.resolve)."""
     wait_timeout_s: float = 600.0
     """Longest wait for an optimizer update or a free gradient slab before the run fails."""
     gpu_memory_gib: float | None = None
@@ -315,10 +324,17 @@ class WorkerConfig:
             raise ConfigError("worker.keep_activations", "must be >= 0 or null")
         if self.offload_inputs is not None and self.offload_inputs < 0:
             raise ConfigError("worker.offload_inputs", "must be >= 0 or null")
+        if self.input_stride is not None and self.input_stride < 1:
+            raise ConfigError("worker.input_stride", f"must be >= 1 or null (got {self.input_stride})")
         if self.wait_timeout_s <= 0:
             raise ConfigError("worker.wait_timeout_s", "must be > 0")
         if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
             raise ConfigError("worker.gpu_memory_gib", f"must be > 0 or null (got {self.gpu_memory_gib})")
+
+    @property
+    def stride(self) -> int:
+        """Every how many blocks an input is saved (``input_stride``; 1 until a machine resolves null)."""
+        return self.input_stride or 1
 
 
 @dataclass(kw_only=True)

@@ -7,13 +7,15 @@ takes about as long as the longest of them, plus one block's transfer before the
 compute can start. The terms:
 
 - compute: the model's FLOPs (ARCHITECTURE.md's formula) and, for every block that is not
-  kept, its forward again in the backward (a third of its share): the matrix products
+  kept, its forward again in the backward (a third of its share), and once more for each
+  block whose input was not saved (``worker.input_stride``): the matrix products
   (6 x parameters x tokens) at the rate the H200 reached for the model's hidden size, the
   attention (6 x layers x hidden x sequence x tokens) at flash attention's rate for the
   sequence length (``compute_seconds``), or all of it at one ``gpu_tflops`` when given;
 - copy-in: every unit's weights once in the forward, and the recomputed blocks' again in the
-  backward, in the dtype they cross the link (the host's bf16 copy, or the fp32 master cast
-  on the GPU), at ``link_gbps``;
+  backward (with ``worker.input_stride`` S > 2, S-2 blocks of each segment twice: the two
+  slots keep only the rebuilding pass's last block for the backward), in the dtype they
+  cross the link (the host's bf16 copy, or the fp32 master cast on the GPU), at ``link_gbps``;
 - copy-out: every gradient once, in ``optim.grad_dtype``, at ``link_gbps``;
 - updates: every streamed parameter once, at the cores' AdamW rate for the run's state.
 
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from megaray.adamw import writes_clipped_gradient
 from megaray.config import RunConfig
 from megaray.layout import build_layout
+from megaray.memory import anchors
 
 # G params/s per core of the update (16 processes x 1 thread, summed, / 16): by
 # (master, moments, gradient) storage; the host's bf16 copy costs about 20% more.
@@ -122,12 +125,15 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
     res_numel = res * block + (units[0].numel if embed_res else 0)
     streamed = n - res_numel
     recomputed = max(0, L - keep)
+    S = cfg.worker.stride
+    rebuilt = recomputed - anchors(recomputed, S)       # blocks run forward a third time
+    reloaded = (recomputed // S) * max(0, S - 2) + max(0, recomputed % S - 2)
     # resident updates on the device: 30 bytes a parameter (master, moments read and written,
     # the gradient read, the compute copy written) at the GPU's memory bandwidth
     resident_s = res_numel * 30 / (speeds.gpu_gbps * 1e9)
-    compute = compute_seconds(cfg, speeds, recomputed) + resident_s
+    compute = compute_seconds(cfg, speeds, recomputed + rebuilt) + resident_s
     stream_bytes = 2 if cfg.host_compute_copy or o.master_dtype == "bfloat16" else 4
-    copy_in = (streamed + max(0, L - keep - res) * block) * stream_bytes / (speeds.link_gbps * 1e9)
+    copy_in = (streamed + (max(0, L - keep - res) + reloaded) * block) * stream_bytes / (speeds.link_gbps * 1e9)
     copy_out = streamed * (2 if o.grad_dtype == "bfloat16" else 4) / (speeds.link_gbps * 1e9)
     rate = (ADAMW_PER_CORE.get((o.master_dtype, o.moment_dtype, o.grad_dtype), 6.0 / 16) * speeds.cores * 1e9
             * speeds.update_share)

@@ -125,6 +125,27 @@ class StepShape:
         return self.mlp_chunked
 
 
+def anchors(n: int, stride: int) -> int:
+    """The saved inputs among the first n blocks when every ``stride``-th is saved (blocks 0,
+    S, 2S, ...: ``worker.input_stride``)."""
+    return -(-n // stride)
+
+
+def recompute_order(keep_from: int, stride: int) -> list[tuple[int, bool, bool]]:
+    """The backward's passes over the recomputed blocks 0..keep_from-1, in order, as (block,
+    with gradients, first to read its segment's saved input). Segment by segment from the
+    top: a segment is an anchor a (a block whose input was saved) and the blocks above it up to
+    the next anchor, a..b-1; blocks a..b-2 run forward again without gradients, rebuilding the
+    inputs of a+1..b-1, then b-1..a run backward (each recomputed from its input). With
+    stride 1 every block is an anchor: the plain backward, L-1..0."""
+    order = []
+    for a in reversed(range(0, keep_from, stride)):
+        b = min(a + stride, keep_from)
+        order += [(j, False, j == a) for j in range(a, b - 1)]
+        order += [(j, True, j == a == b - 1) for j in reversed(range(a, b))]
+    return order
+
+
 def grads_on_device(cfg: RunConfig) -> bool:
     """Whether the step's gradients wait on the GPU for the norm (``optim.grad_placement``;
     'auto' counts as the device until a machine resolves it: ``megaray.plan.resolve``)."""
@@ -157,10 +178,26 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
         tied = sh.embed_numel if m.tie_word_embeddings else 0
         grads_ends = 4 * (tied + 2 * max(sh.block_numel, sh.head_numel, 0 if tied else sh.embed_numel))
         grads_per_block = 0
-    best = ((L + 1 - n_off) * sh.one_input + keep * kept_one + grads_ends, L + 1 - n_off, keep, L)
+    S = cfg.worker.stride
+    keep_from = L - keep
+    off = anchors(n_off, S)                                     # saved inputs in host memory
+    saved = anchors(keep_from, S) - off                         # saved inputs on the GPU
+    ahead = min(1, off)                                         # one offloaded input coming back early
+    # the forward's end: the saved inputs, the kept blocks' and the last output (or, with nothing
+    # kept, the last recomputed block's unsaved input beside its output)
+    forward = saved + max(L - keep_from + 1, 2 if keep_from and (keep_from - 1) % S else 1)
+    best = (forward * sh.one_input + keep * kept_one + grads_ends, forward, keep, L)
     for j in range(L, -1, -1):                                  # blocks 0..j-1 not yet backwarded
-        on_gpu_inputs = max(0, j - n_off) + (min(2, j) if j <= n_off else min(1, n_off))
-        alive_kept = max(0, j - (L - keep))
+        if j == 0:
+            on_gpu_inputs = 0
+        elif j > keep_from:                                     # a kept block: the kept ones' inputs alive
+            on_gpu_inputs = saved + j - keep_from + ahead
+        else:   # block i = j-1, in the segment from anchor a: a's input, rebuilt inputs a+1..i
+            i = j - 1
+            a = i - i % S
+            back = 1 + (a > 0) if a < n_off else ahead          # a's own, back from host, and the next
+            on_gpu_inputs = max(0, anchors(a + 1, S) - off) + (i - a) + back
+        alive_kept = max(0, j - keep_from)
         total = on_gpu_inputs * sh.one_input + alive_kept * kept_one + grads_ends + grads_per_block * (L - j)
         if total > best[0]:
             best = (total, on_gpu_inputs, alive_kept, j)

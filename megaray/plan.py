@@ -139,6 +139,7 @@ class Plan:
     gpu: dict = field(default_factory=dict)
     keep_blocks: int = 0
     offload_inputs: int = 0
+    input_stride: int = 1           # every how many blocks an input is saved (worker.input_stride)
     gpu_budget: int | None = None   # what the run may use of the machine's GPU (plan_for sets it)
     slab_bytes: int = 0             # one gradient slab (of the ring, or of a shard's clipped gradient)
 
@@ -174,8 +175,9 @@ class Plan:
         out += block("host memory", {**self.shm, **self.host_private}, self.host_total,
                      machine.host_bytes if machine else None)
         out += block("  of which shared memory", self.shm, self.shm_total, machine.shm_bytes if machine else None)
+        saved = f", every {self.input_stride}th block's input saved" if self.input_stride > 1 else ""
         out += block(f"GPU (keeping {self.keep_blocks} blocks' activations, {self.offload_inputs} blocks' inputs "
-                     "in host memory)", self.gpu, self.gpu_total)
+                     f"in host memory{saved})", self.gpu, self.gpu_total)
         if self.gpu_budget is not None:
             out[-len(self.gpu) - 1] += f"  (usable {self.gpu_budget / GiB:.2f} GiB: {_USABLE})"
         return "\n".join(out)
@@ -212,10 +214,11 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
     # the minimum (none), which is what must fit.
     p.keep_blocks = min(L, keep if keep is not None else (cfg.worker.keep_activations or 0))
     p.offload_inputs = min(L - p.keep_blocks, offload if offload is not None else (cfg.worker.offload_inputs or 0))
+    p.input_stride = cfg.worker.stride
     if p.offload_inputs:
         one_input = memory.StepShape.of(cfg).one_input
-        p.host_private[f"offloaded block inputs ({p.offload_inputs}, pinned)"] = (
-            p.offload_inputs * one_input * cfg.worker.count)
+        n = memory.anchors(p.offload_inputs, p.input_stride)     # the saved ones among them
+        p.host_private[f"offloaded block inputs ({n}, pinned)"] = n * one_input * cfg.worker.count
     p.gpu = memory.gpu_items(cfg, p.keep_blocks, p.offload_inputs, h.slab_bytes if h.cast_on_device else 0, lean)
     return p
 
@@ -267,6 +270,9 @@ def remedies(cfg: RunConfig, machine: Machine) -> list[str]:
         out.append("optim.moment_dtype=bfloat16")
     if o.master_dtype == "float32" and t.compute_dtype == "bfloat16" and fits(with_("optim", master_dtype="bfloat16")):
         out.append("optim.master_dtype=bfloat16")
+    if cfg.worker.input_stride == 1 and machine.gpu_bytes is not None:
+        if fits(with_("worker", input_stride=2)):
+            out.append("worker.input_stride=2")
     if o.placement == "host" and can_be_resident(cfg) and machine.gpu_bytes is not None:
         n = resolve(with_("optim", placement="auto"), machine).optim.placement
         if n != "host" and fits(with_("optim", placement=n)):
@@ -346,6 +352,7 @@ def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> R
     resident units cannot be: bf16 state, several workers, a remote worker); of the homes
     with which the run fits, the faster predicted step wins, the device among equals (within
     0.5%). Without a GPU the gradients stay with the worker (the device). Then
+    ``worker.input_stride`` (``input_stride``), with the placement. Then
     ``optim.grad_ring_slabs``: the placement is chosen with the shallowest ring, which
     ``ring_depth`` deepens with what host memory spares, so a deep ring never costs a
     resident unit."""
@@ -371,7 +378,23 @@ def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> R
             rows = choose_placement(cfg, speeds, gpu, cast_slab_bytes(cfg), machine.host_bytes)
             res = best(rows)["resident"] if rows else 0
         cfg = replaced(cfg, "optim", placement=res or "host")
+    if cfg.worker.input_stride is None:
+        cfg = replaced(cfg, "worker", input_stride=input_stride(cfg, machine))
     return cfg
+
+
+def input_stride(cfg: RunConfig, machine: Machine) -> int:
+    """``worker.input_stride`` null decided for a config resolved otherwise: 1 (every block's
+    input saved, the fastest), unless the run does not fit ``machine`` that way and does with
+    2, 3 or 4: the smallest. On the GPU the inputs that do not fit wait in host memory
+    (``offload_needed``); a stride is for a step whose inputs fit neither there nor, offloaded,
+    in host memory: each stride saves a 1/S share of them for (S-1)/S more forward passes."""
+    if machine.gpu_bytes is None:
+        return 1
+    for s in (1, 2, 3, 4):
+        if not shortfalls(plan_for(replaced(cfg, "worker", input_stride=s), machine), machine):
+            return s
+    return 1
 
 
 def ring_depth(cfg: RunConfig, machine: Machine) -> int:

@@ -107,3 +107,25 @@ def test_offloaded_block_inputs_come_back_bit_for_bit(ray_cluster, tmp_path):
                                                  "train.mlp_chunk_tokens=16", "train.loss_chunk_tokens=24"]))
     assert _losses(chunked) == pytest.approx(_losses(ref), rel=1e-5)
     assert shm_files() == []
+
+
+def test_input_stride_rebuilds_the_unsaved_inputs_bit_for_bit(ray_cluster, tmp_path):
+    """``worker.input_stride``: saving every 2nd block's input (with the last block kept and
+    the first three blocks' saved inputs offloaded) or every 3rd, the backward rebuilds the
+    others' by running forward again: the same losses and weights as saving every input with
+    the same kept and offloaded blocks, bit for bit."""
+    base = ["train.steps=3", "data.max_bytes=50000", "checkpoint.resume=null", "train.eval_batches=1",
+            "model.num_hidden_layers=5"]
+    kept = ["worker.keep_activations=1", "worker.offload_inputs=3"]   # a kept block runs lean: its own rounding
+    runs = {name: train(load_config("debug", base + [f"run.dir={tmp_path}/{name}"] + extra))
+            for name, extra in (("ref", []), ("three", ["worker.input_stride=3"]), ("kept", kept),
+                                ("two", kept + ["worker.input_stride=2"]))}
+    master = lambda s: (Path(s["checkpoint"]) / "master.bin").read_bytes()  # noqa: E731
+    for s, ref in ((runs["three"], runs["ref"]), (runs["two"], runs["kept"])):
+        assert _losses(s) == _losses(ref)
+        assert master(s) == master(ref)
+    rows = [json.loads(x) for x in (Path(runs["two"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["worker/input_stride"] == 2 and rows[0]["worker/kept_blocks"] == 1
+    # of blocks 0-2, the anchors 0 and 2 go to host memory: 2 x 2 micro-batches x [2, 32, 32] fp32
+    assert rows[0]["worker/offload_bytes"] == 2 * 2 * 2 * 32 * 32 * 4
+    assert shm_files() == []

@@ -113,3 +113,28 @@ def test_blocks_keep_plain_activations_only_when_all_fit():
     assert not memory.kept_plain(chunked, 10**15)
     # recomputed blocks run plain unless the MLP is chunked
     assert not memory.StepShape.of(cfg).recompute_lean and memory.StepShape.of(chunked).recompute_lean
+
+
+def test_input_stride_saves_every_sth_input_by_hand():
+    """``worker.input_stride``: the saved inputs at the step's peak, counted by hand, and the
+    backward's order of passes."""
+    base = ["model.num_hidden_layers=6", "optim.grad_placement=host"]
+    one = memory.StepShape.of(load_config("debug", base)).one_input
+    saved = "saved block inputs (at the peak)"
+
+    def inputs(stride, keep=0, offload=0):
+        cfg = load_config("debug", base + [f"worker.input_stride={stride}"])
+        return memory.gpu_items(cfg, keep, offload)[saved] // one
+
+    # every input and the last output at the head: 7; stride 2 saves blocks 0, 2, 4's, and
+    # block 5's input lives beside its output while it computes: 5; stride 3 saves 0 and 3's: 4
+    assert (inputs(1), inputs(2), inputs(3)) == (7, 5, 4)
+    # two kept blocks (4, 5): recomputed 0-3, anchors 0 and 2, plus the kept ones' inputs and the output
+    assert inputs(2, keep=2) == 2 + 2 + 1
+    # the first 3 blocks' inputs offloaded: of anchors 0, 2, 4 only 4's stays. At the head:
+    # 4's, block 5's input and its output, 3; at block 3's backward, 4's gone, 2's back (with
+    # 0's on its way) and 3's rebuilt, 3 too
+    assert inputs(2, offload=3) == 3
+    assert memory.recompute_order(5, 2) == [(4, True, True), (2, False, True), (3, True, False), (2, True, False),
+                                            (0, False, True), (1, True, False), (0, True, False)]
+    assert memory.recompute_order(3, 1) == [(2, True, True), (1, True, True), (0, True, True)]

@@ -175,7 +175,8 @@ class Plan:
         out += block("host memory", {**self.shm, **self.host_private}, self.host_total,
                      machine.host_bytes if machine else None)
         out += block("  of which shared memory", self.shm, self.shm_total, machine.shm_bytes if machine else None)
-        saved = f", every {self.input_stride}th block's input saved" if self.input_stride > 1 else ""
+        saved = (f", one recomputed block's input in {self.input_stride} saved (worker.input_stride)"
+                 if self.input_stride > 1 else "")
         out += block(f"GPU (keeping {self.keep_blocks} blocks' activations, {self.offload_inputs} blocks' inputs "
                      f"in host memory{saved})", self.gpu, self.gpu_total)
         if self.gpu_budget is not None:

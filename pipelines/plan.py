@@ -101,7 +101,7 @@ def stride_note(stride: int) -> str:
     """What ``worker.input_stride`` costs, for the predicted step's line."""
     if stride == 1:
         return ""
-    return (f"; saving every {stride}th block's input (worker.input_stride {stride}), the backward runs "
+    return (f"; one block input in {stride} saved (worker.input_stride {stride}): the backward runs "
             f"{stride - 1} of each {stride} recomputed blocks forward again")
 
 

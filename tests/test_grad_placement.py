@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megaray.actors.session import TrainingSession
+from megaray.config import replaced
 from megaray.errors import PlanError
 from megaray.loader import load_config
 from megaray.memory import GiB
@@ -160,3 +161,27 @@ def test_plans_for_big_machines_fit(config, host, gpu, max_bytes):
     per_param = float(r.stdout.split("host state ")[1].split(" bytes/param")[0])
     assert per_param <= max_bytes
     assert "predicted step:" in r.stdout and "gradients wait for the norm on the host" in r.stdout
+
+
+def test_a_524k_token_llama8b_step_fits_the_h200_machine_by_input_stride():
+    """llama8b, one 524,288-token sequence, on the H200 machine (119.8 GiB of host memory
+    available, a 139.8 GiB GPU: what ``Machine.here`` reports there): every block's input fits
+    neither the GPU nor, offloaded, host memory; ``worker.input_stride`` null resolves to 2,
+    with which the plan fits. Forced to 1 it is refused, and the refusal names the stride."""
+    cfg = load_config("llama8b_512k")
+    machine = Machine(int(119.8 * GiB), int(119.8 * GiB), int(139.8 * GiB))
+    assert resolve(cfg, machine).worker.input_stride == 2
+    p = check(cfg, machine)
+    assert (p.input_stride, p.offload_inputs) == (2, 0)
+    # saved: blocks 0, 2, ..., 30's inputs, and block 31's beside its output: 18 of 4 GiB (2 x 524,288 x 4096)
+    assert p.gpu["saved block inputs (at the peak)"] == 18 * 4 * GiB
+    one = replaced(cfg, "worker", input_stride=1)
+    p1 = plan_for(one, machine)
+    assert p1.offload_inputs > 0 and p1.host_total > machine.host_bytes
+    with pytest.raises(PlanError, match=r"worker\.input_stride=2"):
+        check(one, machine)
+    assert resolve(replaced(cfg, "train", seq_len=65536), machine).worker.input_stride == 1
+    r = subprocess.run([sys.executable, "-m", "megaray.cli", "plan", "llama8b_512k", "--host-gib", "119.8",
+                        "--gpu-gib", "139.8"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "worker.input_stride 2" in r.stdout and "DOES NOT FIT" not in r.stdout

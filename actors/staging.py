@@ -84,8 +84,8 @@ def _done() -> Future:
 
 
 class WeightSlots:
-    """Device slots for the embedding (unless it is resident), the head and two alternating
-    block buffers."""
+    """Device slots for the embedding (unless it is resident), the head and two block buffers
+    (each block into whichever is free)."""
 
     def __init__(self, cfg: RunConfig, h: Handles, dev: Device, source, resident=None):
         self.cfg, self.h, self.dev, self.source = cfg, h, dev, source
@@ -100,6 +100,7 @@ class WeightSlots:
             self.slots["embed"] = dev.empty(self.units[0].numel, self.dtype)
         self.holds: dict[str, tuple[int, int]] = {}          # slot -> (unit, step) it holds or is receiving
         self.free_event: dict[str, object] = {}              # slot -> event after its last reader
+        self.filled: dict[str, Future] = {}                  # slot -> the copy that filled it
         self.where: dict[int, str] = {}                      # block unit -> the block slot it was staged into
         self.busy: set[str] = set()                          # block slots staged and not yet released
         self.released: dict[str, int] = {}                   # block slot -> when it was last released
@@ -158,7 +159,7 @@ class WeightSlots:
                 del self.where[before[0]]
             self.where[u] = slot
         if self.holds.get(slot) == (u, step):
-            return _done()
+            return self.filled.get(slot) or _done()     # its copy, done or still in flight
         self.holds[slot] = (u, step)
         free_ev = self.free_event.get(slot)
         dst = self.flat(u)
@@ -177,7 +178,8 @@ class WeightSlots:
             clock.waited_for_optimizer(u, waited)
             return ev
 
-        return self.copy_in.submit(work)
+        self.filled[slot] = self.copy_in.submit(work)
+        return self.filled[slot]
 
     def ready(self, fut: Future, timer: StepTimer) -> None:
         """The compute stream waits for a staged unit."""
@@ -201,6 +203,7 @@ class WeightSlots:
     def forget(self, slot: str) -> None:
         """The slot's contents were overwritten outside staging (the link measurement)."""
         held = self.holds.pop(slot, None)
+        self.filled.pop(slot, None)
         if held is not None and self.where.get(held[0]) == slot:
             del self.where[held[0]]
 

@@ -60,6 +60,21 @@ def test_offloaded_inputs_and_chunked_mlp_on_the_gpu(gpu_ray):
         assert err < 1e-5, (k, err)
 
 
+def test_input_stride_on_the_gpu(gpu_ray):
+    """``worker.input_stride`` 2 on the GPU: the unsaved inputs rebuilt in the backward (a
+    block run forward again keeping its slot for its backward), the saved ones among the
+    first three blocks through pinned host memory: the losses and weights of every input
+    saved, to fp32 rounding."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    deep = ("model.num_hidden_layers=5", "worker.keep_activations=0")
+    ref_l, ref_w = _train("cuda", "float32", extra=deep)
+    two_l, two_w = _train("cuda", "float32", extra=(*deep, "worker.input_stride=2", "worker.offload_inputs=3"))
+    np.testing.assert_allclose(two_l, ref_l, rtol=1e-6)
+    for k in ref_w:
+        err = np.linalg.norm(two_w[k] - ref_w[k]) / np.linalg.norm(ref_w[k])
+        assert err < 1e-6, (k, err)
+
+
 def test_cast_on_the_device_equals_the_host_copy_on_the_gpu(gpu_ray):
     """bf16 weights cast by the optimizer shards on the host, or streamed as fp32 (in
     staging slabs smaller than a unit here) and cast on the GPU: both round to nearest, so

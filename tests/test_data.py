@@ -177,10 +177,12 @@ def test_document_starts_are_recorded_and_old_shards_still_train(ray_cluster, tm
     losses = [x["loss"] for x in map(json.loads, (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines())
               if "loss" in x]
     assert len(losses) == 2 and all(np.isfinite(losses))
-    # the long-context path under document attention: inputs offloaded to host memory, the MLP
-    # in chunks of a quarter of a micro-batch; the same losses to fp32 rounding
+    # the long-context path under document attention: inputs offloaded to host memory, only
+    # block 0's saved (block 1's rebuilt in the backward, its documents' mask read again), the
+    # MLP in chunks of a quarter of a micro-batch; the same losses to fp32 rounding
     run = train(load_config("debug", base + [f"data.path={tmp_path / 'sft'}", f"run.dir={tmp_path / 'r-long'}",
-                                             "worker.offload_inputs=1", f"train.mlp_chunk_tokens={S // 2}"]))
+                                             "worker.offload_inputs=1", f"train.mlp_chunk_tokens={S // 2}",
+                                             "worker.input_stride=2"]))
     long = [x["loss"] for x in map(json.loads, (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines())
             if "loss" in x]
     np.testing.assert_allclose(long, losses, rtol=1e-5)

@@ -167,6 +167,9 @@ class TrainingSession:
                  self.handles.num_units, len(self.handles.pieces), len(shards), kernel, self.handles.ring_slabs,
                  self.handles.slab_bytes / 2**20, len(workers), self.device,
                  describe_placement(len(self.handles.resident)))
+        if cfg.worker.stride > 1:
+            log.info("one recomputed block's input in %d saved (worker.input_stride): the backward rebuilds the "
+                     "others by running the blocks below them forward again", cfg.worker.stride)
 
     def _ready(self, roles: list[str]) -> None:
         """Wait for these actors' constructors; an error names the actor."""

@@ -126,6 +126,7 @@ def test_input_stride_rebuilds_the_unsaved_inputs_bit_for_bit(ray_cluster, tmp_p
         assert master(s) == master(ref)
     rows = [json.loads(x) for x in (Path(runs["two"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["worker/input_stride"] == 2 and rows[0]["worker/kept_blocks"] == 1
+    assert "one recomputed block's input in 2 saved" in (Path(runs["two"]["run_dir"]) / "train.log").read_text()
     # of blocks 0-2, the anchors 0 and 2 go to host memory: 2 x 2 micro-batches x [2, 32, 32] fp32
     assert rows[0]["worker/offload_bytes"] == 2 * 2 * 2 * 32 * 32 * 4
     assert shm_files() == []

@@ -352,8 +352,8 @@ def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> R
     within the GPU budget and host memory (``choose_placement``; host without a GPU, or where
     resident units cannot be: bf16 state, several workers, a remote worker); of the homes
     with which the run fits, the faster predicted step wins, the device among equals (within
-    0.5%). Without a GPU the gradients stay with the worker (the device). Then
-    ``worker.input_stride`` (``input_stride``), with the placement. Then
+    0.5%). Without a GPU the gradients stay with the worker (the device). Then, once the
+    placement is known, ``worker.input_stride`` null (``input_stride``). Then
     ``optim.grad_ring_slabs``: the placement is chosen with the shallowest ring, which
     ``ring_depth`` deepens with what host memory spares, so a deep ring never costs a
     resident unit."""

@@ -4,11 +4,11 @@ Block units share two device buffers (``block0``, ``block1``); the embedding and
 have one each. ``stage(u, step)`` starts bringing unit u's compute weights as of step
 ``step`` into a slot on a copy thread, while the unit before it computes; the compute stream
 waits for the copy's event (``ready``) before it reads the slot, and the copy stream waits
-for the slot's last reader (``release``) before it overwrites it. A block goes to whichever
-block slot is free (staged units are busy until released), the one released longest ago
-first: in a plain pass the two alternate, and a block staged again while its slot still
-holds it is not copied again (the backward's first block, left there by the forward; an
-anchor block run forward again and then backward, ``worker.input_stride``).
+for the slot's last reader (``release``) before it overwrites it. A block goes to a free
+block slot (staged units are busy until released): in a plain pass the two alternate, and a
+block staged again while its slot still holds it for the same step is not copied again (the
+backward's first block, left there by the forward; an anchor block run forward again and
+then backward, ``worker.input_stride``).
 
 Where the weights come from:
 - ``SharedSource``: the run's shared memory on this node. A unit crosses piece by piece, each
@@ -77,6 +77,9 @@ class RelaySource:
         return get_or_raise(self.relay.version.remote(), "relay")
 
 
+_BLOCKS = ("block0", "block1")
+
+
 def _done() -> Future:
     fut: Future = Future()
     fut.set_result(None)
@@ -98,13 +101,10 @@ class WeightSlots:
                       "block0": dev.empty(block_numel, self.dtype), "block1": dev.empty(block_numel, self.dtype)}
         if 0 not in self.resident_units:           # a resident embedding is read where it lives
             self.slots["embed"] = dev.empty(self.units[0].numel, self.dtype)
-        self.holds: dict[str, tuple[int, int]] = {}          # slot -> (unit, step) it holds or is receiving
+        # slot -> (unit, step, the copy that fills it) it holds or is receiving
+        self.holds: dict[str, tuple[int, int, Future]] = {}
         self.free_event: dict[str, object] = {}              # slot -> event after its last reader
-        self.filled: dict[str, Future] = {}                  # slot -> the copy that filled it
-        self.where: dict[int, str] = {}                      # block unit -> the block slot it was staged into
         self.busy: set[str] = set()                          # block slots staged and not yet released
-        self.released: dict[str, int] = {}                   # block slot -> when it was last released
-        self._releases = 0
         self._staging: torch.Tensor | None = None            # fp32 slab for the on-device cast
         self.copy_in = ThreadPoolExecutor(1, thread_name_prefix="copy-in")
 
@@ -113,20 +113,22 @@ class WeightSlots:
         kind = self.units[u].kind
         if kind != "block":
             return kind
-        if u not in self.where:
+        # both slots may hold u, one of them from an earlier step: the newer is u's
+        held = [(self.holds[name][1], name) for name in _BLOCKS if self.holds.get(name, (None,))[0] == u]
+        if not held:
             raise KeyError(f"{self.units[u].name} is in no block slot")
-        return self.where[u]
+        return max(held)[1]
 
     def _block_slot(self, u: int, step: int) -> str:
-        """The block slot unit u is staged into: its own, if it holds it still; else the free
-        one released longest ago."""
-        for name in ("block0", "block1"):
-            if self.holds.get(name) == (u, step):
+        """The block slot unit u is staged into: its own, if it holds it for this step still;
+        else a free one."""
+        for name in _BLOCKS:
+            if self.holds.get(name, (None, None))[:2] == (u, step):
                 return name
-        free = [name for name in ("block0", "block1") if name not in self.busy]
-        if not free:
-            raise RuntimeError(f"no free block slot for {self.units[u].name}: both hold units not yet released")
-        return min(free, key=lambda name: self.released.get(name, -1))
+        for name in _BLOCKS:
+            if name not in self.busy:
+                return name
+        raise RuntimeError(f"no free block slot for {self.units[u].name}: both hold units not yet released")
 
     def begin(self) -> None:
         """A pass over the units starts: every block slot is free to take a new unit (after a
@@ -154,15 +156,11 @@ class WeightSlots:
         slot = self._block_slot(u, step) if block else self.units[u].kind
         if block:
             self.busy.add(slot)
-            before = self.holds.get(slot)
-            if before is not None and self.where.get(before[0]) == slot:
-                del self.where[before[0]]
-            self.where[u] = slot
-        if self.holds.get(slot) == (u, step):
-            return self.filled.get(slot) or _done()     # its copy, done or still in flight
-        self.holds[slot] = (u, step)
+        held = self.holds.get(slot)
+        if held is not None and held[:2] == (u, step):
+            return held[2]                              # its copy, done or still in flight
         free_ev = self.free_event.get(slot)
-        dst = self.flat(u)
+        dst = self.slots[slot][: self.units[u].numel]
 
         def work():
             src, parts, waited = self.source.parts(u, step)
@@ -178,8 +176,9 @@ class WeightSlots:
             clock.waited_for_optimizer(u, waited)
             return ev
 
-        self.filled[slot] = self.copy_in.submit(work)
-        return self.filled[slot]
+        fut = self.copy_in.submit(work)
+        self.holds[slot] = (u, step, fut)
+        return fut
 
     def ready(self, fut: Future, timer: StepTimer) -> None:
         """The compute stream waits for a staged unit."""
@@ -195,17 +194,11 @@ class WeightSlots:
         ev = self.dev.event_after_compute()
         if ev is not None:
             self.free_event[slot] = ev
-        if slot in self.busy:
-            self.busy.discard(slot)
-            self._releases += 1
-            self.released[slot] = self._releases
+        self.busy.discard(slot)
 
     def forget(self, slot: str) -> None:
         """The slot's contents were overwritten outside staging (the link measurement)."""
-        held = self.holds.pop(slot, None)
-        self.filled.pop(slot, None)
-        if held is not None and self.where.get(held[0]) == slot:
-            del self.where[held[0]]
+        self.holds.pop(slot, None)
 
     def copy_in_range(self, dst: torch.Tensor, src: torch.Tensor, timer: StepTimer, clock: StepClock | None):
         """Copy host ``src`` into device ``dst``; on CUDA on the copy stream, returning the

@@ -37,7 +37,7 @@ from megaray.config import RunConfig
 from megaray.errors import ActorFailure, ConfigError, MegarayError
 from megaray.hf.read import verify_source
 from megaray.layout import assign_pieces, build_layout
-from megaray.plan import Machine, check, describe_placement, resolve
+from megaray.plan import Machine, check, describe_input_stride, describe_placement, resolve
 from megaray.shm import remove_run, remove_stale
 
 from .calls import get_or_raise
@@ -168,8 +168,7 @@ class TrainingSession:
                  self.handles.slab_bytes / 2**20, len(workers), self.device,
                  describe_placement(len(self.handles.resident)))
         if cfg.worker.stride > 1:
-            log.info("one recomputed block's input in %d saved (worker.input_stride): the backward rebuilds the "
-                     "others by running the blocks below them forward again", cfg.worker.stride)
+            log.info("%s", describe_input_stride(cfg.worker.stride))
 
     def _ready(self, roles: list[str]) -> None:
         """Wait for these actors' constructors; an error names the actor."""

@@ -175,8 +175,7 @@ class Plan:
         out += block("host memory", {**self.shm, **self.host_private}, self.host_total,
                      machine.host_bytes if machine else None)
         out += block("  of which shared memory", self.shm, self.shm_total, machine.shm_bytes if machine else None)
-        saved = (f", one recomputed block's input in {self.input_stride} saved (worker.input_stride)"
-                 if self.input_stride > 1 else "")
+        saved = f", {describe_input_stride(self.input_stride)}" if self.input_stride > 1 else ""
         out += block(f"GPU (keeping {self.keep_blocks} blocks' activations, {self.offload_inputs} blocks' inputs "
                      f"in host memory{saved})", self.gpu, self.gpu_total)
         if self.gpu_budget is not None:
@@ -464,6 +463,12 @@ def describe_placement(resident_units: int) -> str:
     if resident_units == 2:
         return "the embedding and the first block resident"
     return f"the embedding and the first {resident_units - 1} blocks resident"
+
+
+def describe_input_stride(stride: int) -> str:
+    """``worker.input_stride`` S > 1 in words: what is saved and what it costs."""
+    return (f"one recomputed block's input in {stride} saved (worker.input_stride {stride}): the backward runs "
+            f"{stride - 1} of every {stride} recomputed blocks forward again")
 
 
 def can_be_resident(cfg: RunConfig) -> bool:

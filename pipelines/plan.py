@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
         can_be_resident,
         cast_slab_bytes,
         choose_placement,
+        describe_input_stride,
         describe_placement,
         gpu_budget,
         largest_fit,
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
               f"{t['wait_updates_s']:.2f}, copy-in {t['copy_in_s']:.2f}, copy-out {t['copy_out_s']:.2f}, updates "
               f"{t['updates_s']:.2f} on {speeds.cores} cores; keeping {keep} blocks' activations"
               f"{'' if lean else ', as plain autograd saves them'}"
-              f"{stride_note(cfg.worker.stride)}), "
+              f"{'; ' + describe_input_stride(cfg.worker.stride) if cfg.worker.stride > 1 else ''}), "
               f"{cfg.train.tokens_per_step / t['step_s']:.0f} tokens/s")
         if can_be_resident(cfg):
             print_placements(choose_placement(cfg, speeds, gpu, cast_slab_bytes(cfg), machine.host_bytes), best)
@@ -95,14 +96,6 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
         for fix in remedies(cfg, machine):
             print(f"fits with: {fix}")
     return 1 if short else 0
-
-
-def stride_note(stride: int) -> str:
-    """What ``worker.input_stride`` costs, for the predicted step's line."""
-    if stride == 1:
-        return ""
-    return (f"; one block input in {stride} saved (worker.input_stride {stride}): the backward runs "
-            f"{stride - 1} of each {stride} recomputed blocks forward again")
 
 
 def print_placements(rows: list[dict], best) -> None:

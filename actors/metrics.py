@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge
 
-from megaray.plan import in_use, meminfo
+from megaray.machine import in_use, meminfo
 
 TAG_KEYS = ("run", "actor")
 

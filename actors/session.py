@@ -37,7 +37,8 @@ from megaray.config import RunConfig
 from megaray.errors import ActorFailure, ConfigError, MegarayError
 from megaray.hf.read import verify_source
 from megaray.layout import assign_pieces, build_layout
-from megaray.plan import Machine, check, describe_input_stride, describe_placement, resolve
+from megaray.machine import Machine
+from megaray.plan import check, describe_input_stride, describe_placement, resolve
 from megaray.shm import remove_run, remove_stale
 
 from .calls import get_or_raise

@@ -27,9 +27,9 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     from megaray.cost import Speeds, predict
     from megaray.errors import ConfigError
     from megaray.loader import load_config
+    from megaray.machine import Machine
     from megaray.memory import GiB, keep_choice
     from megaray.plan import (
-        Machine,
         best,
         can_be_resident,
         cast_slab_bytes,

@@ -20,8 +20,9 @@ from megaray.actors.session import TrainingSession
 from megaray.config import replaced
 from megaray.errors import PlanError
 from megaray.loader import load_config
+from megaray.machine import Machine
 from megaray.memory import GiB
-from megaray.plan import Machine, check, plan_for, resolve
+from megaray.plan import check, plan_for, resolve
 from megaray.schedule import NORM_CHUNK, lr_at, square_norm
 
 BASE = ["train.grad_accum=2", "train.steps=4", "optim.num_shards=2", "optim.grad_slab_mib=0.01",

@@ -14,8 +14,8 @@ PACKAGES = ("megaray", "megaray.actors", "megaray.pipelines", "megaray.hf")
 CORE = {"megaray.errors", "megaray.shapes", "megaray.model_config", "megaray.config", "megaray.loader",
         "megaray.layout", "megaray.attention", "megaray.model",
         "megaray.hf", "megaray.hf.read", "megaray.hf.export", "megaray.shm", "megaray.protocol", "megaray.buffers",
-        "megaray.memory", "megaray.cost", "megaray.plan", "megaray.schedule", "megaray.adamw", "megaray.checkpoint",
-        "megaray.data", "megaray.dataset", "megaray.tokenizer"}
+        "megaray.memory", "megaray.cost", "megaray.machine", "megaray.plan", "megaray.schedule", "megaray.adamw",
+        "megaray.checkpoint", "megaray.data", "megaray.dataset", "megaray.tokenizer"}
 ABOVE_CORE = ("ray", "megaray.actors", "megaray.runner", "megaray.bench", "megaray.pipelines", "megaray.cli")
 
 

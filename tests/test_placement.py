@@ -27,8 +27,9 @@ from megaray.errors import ConfigError, PlanError
 from megaray.hf.export import export_checkpoint
 from megaray.layout import align, build_layout
 from megaray.loader import load_config
+from megaray.machine import Machine
 from megaray.memory import GiB
-from megaray.plan import Machine, best, cast_slab_bytes, check, choose_placement, gpu_budget, plan, resolve
+from megaray.plan import best, cast_slab_bytes, check, choose_placement, gpu_budget, plan, resolve
 from megaray.runner import train
 
 BASE = ["train.grad_accum=2", "train.steps=3", "optim.num_shards=2", "optim.grad_slab_mib=0.01",

@@ -10,16 +10,15 @@ from conftest import shm_files
 from megaray import memory
 from megaray.errors import ConfigError, PlanError
 from megaray.loader import load_config
+from megaray.machine import Machine, ray_memory_view
 from megaray.plan import (
     CUDA_PROCESS_BYTES,
     PROCESS_BYTES,
     GiB,
-    Machine,
     check,
     largest_fit,
     plan,
     plan_for,
-    ray_memory_view,
     resolve,
     savings,
 )
@@ -250,7 +249,7 @@ def test_ray_memory_view_by_hand(tmp_path, monkeypatch):
     """What Ray's memory monitor counts (it kills workers past RAY_memory_usage_threshold of
     it): a cgroup v2's memory.current less inactive file pages, against the cgroup's limit
     where it is below the machine's memory; without a cgroup, total less available."""
-    from megaray.plan import ray_kill_fraction
+    from megaray.machine import ray_kill_fraction
 
     info = {"MemTotal": 128 * GiB, "MemAvailable": 100 * GiB, "MemFree": 90 * GiB}
     assert ray_memory_view(info, str(tmp_path / "none")) == (28 * GiB, 128 * GiB)

@@ -14,7 +14,8 @@ it run forward again to rebuild the others': ``memory.recompute_order``); decide
 global norm, the verdict, exact clipping, copy-out). The concerns live beside this file:
 ``staging`` (the double-buffered weight slots and where weights come from), ``activations``
 (what is kept, recomputed or offloaded), ``shipping`` (the verdict and the gradients'
-way out), ``device`` (streams, events, the step's clock) and ``group`` (data parallelism).
+way out), ``device`` (streams, events, the step's clock), ``group`` (data parallelism) and
+``forward_only`` (the evaluation loss and logits, outside training steps).
 
 The loss is a token sum computed in chunks and scaled by 1/(tokens in the step), so
 accumulation over micro-batches equals one big batch exactly.
@@ -45,21 +46,20 @@ from megaray.model import (
     block_forward,
     embed_forward,
     head_loss_and_grads,
-    head_loss_sum,
-    rms_norm,
     rope_tables,
 )
 from megaray.schedule import clip_coefficient, square_norm
 
 from .activations import ActivationPolicy
 from .device import Device, StepClock, StepTimer
+from .forward_only import ForwardOnly
 from .group import DataParallelGroup
 from .resident import ResidentUnits
 from .shipping import GradientShipper
 from .staging import RelaySource, SharedSource, WeightSlots
 
 
-class GpuWorker:
+class GpuWorker(ForwardOnly):
     def __init__(self, cfg: RunConfig, handles: Handles, device: str, name: str, rank: int = 0, world: int = 1,
                  relay=None):
         torch.set_num_threads(cfg.worker.threads)
@@ -443,62 +443,3 @@ class GpuWorker:
         bytes_in = sum(u.numel for u in units) * self.buf.compute(0).element_size()   # as they cross the link
         bytes_out = sum(o.numel() * o.element_size() for o in outs)
         return {"copy_in_gbps": bytes_in / t_in / 1e9, "copy_out_gbps": bytes_out / t_out / 1e9}
-
-    def evaluate(self, step: int, tokens: np.ndarray) -> dict:
-        """Forward-only loss on tokens [micro_batches, batch, seq + 1] with step ``step``'s weights."""
-        try:
-            return self._evaluate(step, tokens)
-        except RunAborted as e:
-            raise ActorFailure(self.name, str(e), step, aborted=True) from None
-        except Exception as e:
-            self.shipper.abort()
-            raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
-
-    @torch.no_grad()
-    def _evaluate(self, step: int, tokens: np.ndarray) -> dict:
-        inputs, targets, packs = self._inputs_targets(tokens)
-        xs, wh, we = self._forward_only(step, list(inputs), packs)
-        loss, count = 0.0, 0
-        chunk = self.cfg.train.loss_chunk_tokens
-        for m, x in enumerate(xs):
-            xf, tf = x.reshape(-1, x.shape[-1]), targets[m].reshape(-1)
-            for c in range(0, xf.shape[0], chunk):
-                ls, n = head_loss_sum(wh, we, xf[c:c + chunk], tf[c:c + chunk], self.mcfg)
-                loss += float(ls)
-                count += int(n)
-        self.slots.release(len(self.units) - 1)      # after the loss has read the head and embedding
-        self.slots.release(0)
-        return {"loss_sum": loss, "tokens": count}
-
-    @torch.no_grad()
-    def logits(self, tokens: np.ndarray, doc: np.ndarray | None = None) -> np.ndarray:
-        """fp32 logits of a small batch [batch, seq] (tests and interop checks); with ``doc``
-        (each token's document, [batch, seq]) under document attention."""
-        step = self.slots.source.version()
-        pk = ([packing(torch.from_numpy(np.asarray(doc)).to(self.dev.device), self.mcfg.head_dim)]
-              if doc is not None else [None])
-        (h,), wh, we = self._forward_only(step, [torch.tensor(tokens, dtype=torch.int64).to(self.dev.device)], pk)
-        h = rms_norm(h, wh["model.norm.weight"], self.mcfg.rms_norm_eps)
-        out = we["model.embed_tokens.weight"] if self.mcfg.tie_word_embeddings else wh["lm_head.weight"]
-        logits = torch.nn.functional.linear(h, out).float().cpu().numpy()
-        self.slots.release(len(self.units) - 1)
-        self.slots.release(0)
-        return logits
-
-    @torch.no_grad()
-    def _forward_only(self, step: int, inputs: list, packs: list) -> tuple[list, dict, dict]:
-        """Final hidden states of each input through every block, with step ``step``'s weights;
-        also the head's and the embedding's bound weights, still resident: the caller
-        releases those two slots once it has used them."""
-        timer, clock, slots = StepTimer(), StepClock(self.dev), self.slots
-        slots.begin()
-        slots.ready(slots.stage(0, step, timer, clock), timer)
-        _, we = slots.weights(0, grad=False)
-        xs = [embed_forward(we, x) for x in inputs]
-        for u in range(1, len(self.units)):
-            slots.ready(slots.stage(u, step, timer, clock), timer)
-            _, w = slots.weights(u, grad=False)
-            if u <= self.L:
-                xs = [block_forward(w, x, self.rope, self.mcfg, pk=pk) for x, pk in zip(xs, packs)]
-                slots.release(u)
-        return xs, w, we

@@ -45,6 +45,12 @@ CUDA_CONTEXT_BYTES = 1 * GiB
 RESERVE_FRACTION = 0.06
 RESERVE_BYTES = 2 * GiB
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# [tokens, intermediate] tensors alive at once in the MLP's backward beside what the block
+# saved: the lean block's (silu(gate), the product's gradient, the gate's gradient; gate and up
+# are saved) and a chunk's of the chunked MLP (gate, up, silu(gate) and one of their product
+# or gradients, ``model._ChunkedMLP``)
+MLP_LIVE = 3
+MLP_CHUNK_LIVE = 4
 
 
 def block_internal_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, mlp_chunked: bool = False,
@@ -202,7 +208,10 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
         if total > best[0]:
             best = (total, on_gpu_inputs, alive_kept, j)
     _, n_inputs, n_kept, j = best
-    mlp_chunk = min(t.mlp_chunk_tokens, sh.micro_tokens) * 3 * s * m.intermediate_size if sh.mlp_chunked else 0
+    mlp_chunk = 0
+    if sh.mlp_chunked:      # one chunk's tensors and the three weights' fp32 gradient sums (and their cast)
+        h, i = m.hidden_size, m.intermediate_size
+        mlp_chunk = min(t.mlp_chunk_tokens, sh.micro_tokens) * MLP_CHUNK_LIVE * s * i + 3 * (4 + s) * h * i
     embed_res = cfg.optim.resident_units >= 1        # a resident embedding is read where it lives: no slot
     items = {
         ("weight slots (head, 2 blocks)" if embed_res else "weight slots (embed, head, 2 blocks)"):
@@ -215,7 +224,7 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
         # backward, whichever is larger (the attention's, for long chunked micro-batches)
         "recomputation workspace (1 micro-batch)": max(
             (sh.internal_per_token if sh.recompute_lean else sh.plain_per_token) * sh.micro_tokens
-            + (mlp_chunk or 3 * s * m.intermediate_size * sh.micro_tokens),
+            + (mlp_chunk or MLP_LIVE * s * m.intermediate_size * sh.micro_tokens),
             attention_backward_bytes_per_token(m, s) * sh.micro_tokens),
         "loss chunk (logits, gradients)": loss_chunk_bytes(cfg),
         ("kept blocks (internals + weights, at the peak)" if lean else

@@ -194,6 +194,11 @@ class _ChunkedMLP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        """Each chunk's gradients by autograd's own formulas (``silu_backward``, in the compute
+        dtype, as ``_NormSwiGLU``), the weights' summed over chunks in fp32. In-place steps keep
+        four [chunk, intermediate] tensors alive at most (``memory.MLP_CHUNK_LIVE``): the gate,
+        the up projection, silu(gate) and, in turn, their product, the gate's gradient or the
+        up projection's."""
         h, wg, wu, wd = ctx.saved_tensors
         acc = torch.promote_types(h.dtype, torch.float32)     # fp32 sums for bf16, fp64 stays fp64
         flat, dflat = h.reshape(-1, h.shape[-1]), dy.reshape(-1, dy.shape[-1])
@@ -204,11 +209,12 @@ class _ChunkedMLP(torch.autograd.Function):
             g, u = F.linear(c, wg), F.linear(c, wu)
             sg = F.silu(g)
             dwd += d.t().mm(sg * u).to(acc)
-            dm = d.mm(wd)
-            du = dm * sg
-            ga = g.to(acc)
-            sig = torch.sigmoid(ga)
-            dg = (dm.to(acc) * u.to(acc) * sig * (1 + ga * (1 - sig))).to(h.dtype)
+            dp = d.mm(wd)                       # the product's gradient
+            du = sg.mul_(dp)                    # silu(gate) becomes the up projection's gradient
+            dp.mul_(u)                          # and the product's gradient silu(gate)'s
+            del sg, u
+            dg = torch.ops.aten.silu_backward(dp, g)
+            del dp, g
             dwg += dg.t().mm(c).to(acc)
             dwu += du.t().mm(c).to(acc)
             dh[a:a + ctx.chunk] = dg.mm(wg) + du.mm(wu)

@@ -34,7 +34,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from megaray import memory
+from megaray import fused, memory
 from megaray.attention import packing
 from megaray.buffers import DTYPES, Handles, RunBuffers
 from megaray.config import RunConfig
@@ -63,6 +63,7 @@ class GpuWorker(ForwardOnly):
     def __init__(self, cfg: RunConfig, handles: Handles, device: str, name: str, rank: int = 0, world: int = 1,
                  relay=None):
         torch.set_num_threads(cfg.worker.threads)
+        fused.configure(cfg.worker.fuse_elementwise)
         self.cfg, self.h, self.name, self.mcfg = cfg, handles, name, cfg.model
         self.units, self.L = handles.units, cfg.model.num_hidden_layers
         cap = cfg.worker.gpu_memory_gib
@@ -145,6 +146,7 @@ class GpuWorker(ForwardOnly):
         for k, v in self.shipper.finished_stats().items():   # the previous step's copy-out (during this forward)
             out[k] = out.get(k, 0.0) + v
         if self.dev.cuda:
+            out["fused_elementwise"] = float(fused.active())     # false: off, or compiling failed (logged)
             out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(self.dev.device)
             self.acts.adapt(out["gpu_peak_bytes"])
         return out

@@ -21,6 +21,7 @@ import ray
 import torch
 import torch.nn as nn
 
+from megaray import fused
 from megaray.actors.metrics import node_memory_used_bytes
 from megaray.actors.session import TrainingSession
 from megaray.checkpoint import Checkpointer
@@ -60,8 +61,10 @@ class BaselineLlama(nn.Module):
 
 def run_baseline(cfg: RunConfig, state, batches, device: str = "cuda") -> dict:
     """Train the baseline on ``batches`` [grad_accum, micro_batch, seq + 1]: bf16 autocast on
-    CUDA (fp32 on the CPU), loss divided by the micro-batches, exact clipping, fused AdamW."""
+    CUDA (fp32 on the CPU), loss divided by the micro-batches, exact clipping, fused AdamW;
+    the blocks' elementwise passes fused as megaray's are (``worker.fuse_elementwise``)."""
     cuda = device == "cuda"
+    fused.configure(cfg.worker.fuse_elementwise)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     model = BaselineLlama(cfg.model, state, device)
     o = cfg.optim
@@ -227,7 +230,8 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
                       "breakdown": breakdown(med),
                       "optimizer_gparams_per_s": statistics.median(rates) / 1e9 if rates else None,
                       "worker": {k[7:]: v for k, v in med.items() if k.startswith("worker/") and k.endswith("_s")},
-                      "gpu_peak_gib": gpu_peak / 2**30}
+                      "gpu_peak_gib": gpu_peak / 2**30,
+                      "fused_elementwise": bool(med.get("worker/fused_elementwise", 0))}
     if baseline:
         if cfg.worker.device == "cuda":     # fp32 weights, gradients, two moments, and some activations
             _await_gpu_memory(cfg.model.num_params() * 20)

@@ -306,6 +306,9 @@ class WorkerConfig:
     fit this machine that way and does with 2, 3 or 4 (the smallest; megaray.plan.resolve)."""
     wait_timeout_s: float = 600.0
     """Longest wait for an optimizer update or a free gradient slab before the run fails."""
+    fuse_elementwise: bool = True
+    """Run the blocks' elementwise passes (norms, RoPE, SwiGLU) as kernels compiled by
+    torch.compile on the GPU (megaray.fused); false: eagerly, one kernel per operation."""
     gpu_memory_gib: float | None = None
     """Cap on the GPU memory a worker uses (the caching allocator's per-process fraction and the
     plan both hold to it): share a GPU, or size a run for a smaller card on a large one; null:

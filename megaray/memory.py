@@ -46,9 +46,9 @@ RESERVE_FRACTION = 0.06
 RESERVE_BYTES = 2 * GiB
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # [tokens, intermediate] tensors alive at once in the MLP's backward beside what the block
-# saved: the lean block's (silu(gate), the product's gradient, the gate's gradient; gate and up
-# are saved) and a chunk's of the chunked MLP (gate, up, silu(gate) and one of their product
-# or gradients, ``model._ChunkedMLP``)
+# saved: the lean block's (the product's gradient, the up projection's and the gate's; gate and
+# up are saved: ``model._swiglu_grads``) and a chunk's of the chunked MLP (gate, up, silu(gate)
+# and one of their product or gradients, ``model._ChunkedMLP``)
 MLP_LIVE = 3
 MLP_CHUNK_LIVE = 4
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from megaray.attention import Packing, attention
 from megaray.config import ModelConfig
+from megaray.fused import fused
 from megaray.layout import UnitLayout
 
 IGNORE_INDEX = -100
@@ -59,6 +60,7 @@ def _stable_hash(text: str) -> int:
 
 # ----------------------------------------------------------------------------- templates
 
+@fused
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """weight * (x / rms(x)) computed in fp32 and cast back; also the fp32 1/rms per token."""
     xf = x.float()
@@ -66,11 +68,13 @@ def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tupl
     return weight * (xf * rstd).to(x.dtype), rstd
 
 
+@fused
 def _norm_again(x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
     """The norm's output rebuilt from its input and saved scale: the forward's arithmetic exactly."""
     return weight * (x.float() * rstd).to(x.dtype)
 
 
+@fused
 def _norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
                    need_dw: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gradients of the input and the scale weight of ``weight * x * rstd``, in fp32."""
@@ -134,32 +138,50 @@ class _NormLinears(torch.autograd.Function):
         return (dx, dwn, None, *grads)
 
 
+@fused
+def _swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
+
+
+def _swiglu_grads_inplace(g: torch.Tensor, u: torch.Tensor, dp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    sg = F.silu(g)
+    du = sg.mul_(dp)        # silu(gate) becomes the up projection's gradient
+    dp.mul_(u)              # and the product's gradient silu(gate)'s
+    del sg
+    return du, torch.ops.aten.silu_backward(dp, g)
+
+
+@fused(eager=_swiglu_grads_inplace)
+def _swiglu_grads(g: torch.Tensor, u: torch.Tensor, dp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The up projection's and the gate's gradients of ``silu(g) * u`` from the product's
+    gradient ``dp``, by autograd's formulas (``silu_backward``). Three [tokens, intermediate]
+    tensors at most (``dp`` and the two gradients): eagerly ``dp`` is overwritten (the caller's
+    temporary)."""
+    return F.silu(g) * dp, torch.ops.aten.silu_backward(dp * u, g)
+
+
 class _NormSwiGLU(torch.autograd.Function):
     """``down(silu(gate(h)) * up(h))`` with ``h = rms_norm(x)``, saving the norm's input and
     scale and the gate and up projections only: the norm's output, ``silu(gate)`` and the
     product (half of what autograd would keep) are rebuilt in the backward by elementwise
     passes, which cost far less than recomputing the block. Forward arithmetic and backward
-    formulas are autograd's own (``silu_backward``), so the gradients are the same."""
+    formulas are autograd's own (``silu_backward``): the same gradients, eagerly bit for bit
+    (fused on the GPU, to the compute dtype's rounding: ``megaray.fused``)."""
 
     @staticmethod
     def forward(ctx, x, wn, wg, wu, wd, eps):
         h, rstd = _rms_norm_forward(x, wn, eps)
         g, u = F.linear(h, wg), F.linear(h, wu)
         ctx.save_for_backward(x, wn, rstd, g, u, wg, wu, wd)
-        return F.linear(F.silu(g) * u, wd)
+        return F.linear(_swiglu(g, u), wd)
 
     @staticmethod
     def backward(ctx, dy):
         x, wn, rstd, g, u, wg, wu, wd = ctx.saved_tensors
         need = ctx.needs_input_grad
         g, u, d = _flat(g), _flat(u), _flat(dy)
-        sg = F.silu(g)
-        dwd = d.t().mm(sg * u) if need[4] else None
-        dp = d.mm(wd)
-        du = dp * sg
-        del sg
-        dg = torch.ops.aten.silu_backward(dp * u, g)
-        del dp
+        dwd = d.t().mm(_swiglu(g, u)) if need[4] else None
+        du, dg = _swiglu_grads(g, u, d.mm(wd))
         h = _flat(_norm_again(x, wn, rstd))
         dwg = dg.t().mm(h) if need[2] else None
         dwu = du.t().mm(h) if need[3] else None
@@ -189,7 +211,7 @@ class _ChunkedMLP(torch.autograd.Function):
         out = torch.empty(flat.shape[0], wd.shape[0], dtype=h.dtype, device=h.device)
         for a in range(0, flat.shape[0], chunk):
             c = flat[a:a + chunk]
-            out[a:a + chunk] = F.linear(F.silu(F.linear(c, wg)) * F.linear(c, wu), wd)
+            out[a:a + chunk] = F.linear(_swiglu(F.linear(c, wg), F.linear(c, wu)), wd)
         return out.view(*h.shape[:-1], wd.shape[0])
 
     @staticmethod
@@ -227,7 +249,7 @@ def mlp(h: torch.Tensor, w: dict, chunk: int | None = None) -> torch.Tensor:
     wg, wu, wd = w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"]
     if chunk and h.numel() // h.shape[-1] > chunk:
         return _ChunkedMLP.apply(h, wg, wu, wd, chunk)
-    return F.linear(F.silu(F.linear(h, wg)) * F.linear(h, wu), wd)
+    return F.linear(_swiglu(F.linear(h, wg), F.linear(h, wu)), wd)
 
 
 def rope_tables(cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32):
@@ -256,6 +278,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
+@fused
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [B, heads, S, hd]; cos/sin: [S, hd], or [B, 1, S, hd] at each token's own position
     return x * cos + _rotate_half(x) * sin

@@ -21,7 +21,7 @@ def gpu_ray():
     ray.shutdown()
 
 
-def _train(device: str, dtype: str, steps: int = 4, extra: tuple = ()):
+def _train(device: str, dtype: str, steps: int = 4, extra: tuple = (), metrics: bool = False):
     from megaray.actors.session import TrainingSession
     from megaray.loader import load_config
 
@@ -31,8 +31,8 @@ def _train(device: str, dtype: str, steps: int = 4, extra: tuple = ()):
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 256, (3, 2, 33)) for _ in range(steps)]
     with TrainingSession(cfg) as s:
-        losses = [s.train_step(i, b)["loss"] for i, b in enumerate(batches)]
-        return losses, s.state_dict()
+        steps_out = [s.train_step(i, b) for i, b in enumerate(batches)]
+        return [m["loss"] for m in steps_out], (steps_out if metrics else s.state_dict())
 
 
 def test_gpu_matches_cpu(gpu_ray):
@@ -45,6 +45,17 @@ def test_gpu_matches_cpu(gpu_ray):
         assert err < 1e-5, (k, err)
     bf_l, _ = _train("cuda", "bfloat16")
     np.testing.assert_allclose(bf_l, cpu_l, rtol=2e-2)
+
+
+def test_fused_and_eager_elementwise_passes_agree_on_the_gpu(gpu_ray):
+    """worker.fuse_elementwise: the passes compiled (the default, which each step reports)
+    and run eagerly give the same run, to fp32 rounding in fp32 and closely in bf16."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for dtype, tol in (("float32", 1e-5), ("bfloat16", 5e-3)):
+        eager_l, eager_m = _train("cuda", dtype, extra=("worker.fuse_elementwise=false",), metrics=True)
+        fused_l, fused_m = _train("cuda", dtype, metrics=True)
+        assert [m["worker/fused_elementwise"] for m in eager_m + fused_m] == [0.0] * 4 + [1.0] * 4
+        np.testing.assert_allclose(fused_l, eager_l, rtol=tol)
 
 
 def test_offloaded_inputs_and_chunked_mlp_on_the_gpu(gpu_ray):

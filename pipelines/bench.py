@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     p.add_argument("--attention-alone", metavar="SEQxBATCH,...",
                    help="instead: one attention layer alone on the GPU, causal and by document (--documents, "
                         "default 512), e.g. 2048x4,131072x1")
+    p.add_argument("--block-alone", metavar="SEQxBATCH,...",
+                   help="instead: one decoder block of --shape alone on the GPU, its elementwise passes fused and "
+                        "eager, against its matrix products and attention alone, e.g. 4096x1")
     p.add_argument("--documents", type=int, metavar="MEAN_LEN",
                    help="rows of packed documents of this mean length, under document attention")
     p.add_argument("--set", nargs="*", default=[], help="section.key=value for the megaray config")
@@ -37,6 +40,20 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
         if a.json:
             with open(a.json, "a") as f:
                 f.write(json.dumps({"attention_alone": rows}) + "\n")
+        return 0
+    if a.block_alone:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"{prog}: --block-alone times a block on a CUDA GPU, and this machine has none", file=sys.stderr)
+            return 2
+        from megaray.bench_block import print_rows, run
+
+        rows = run(a.shape, [tuple(int(x) for x in c.split("x")) for c in a.block_alone.split(",")])
+        print_rows(rows)
+        if a.json:
+            with open(a.json, "a") as f:
+                f.write(json.dumps({"block_alone": rows}) + "\n")
         return 0
     if a.adamw_alone:
         from megaray.bench_adamw import print_rows, run

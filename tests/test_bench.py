@@ -109,3 +109,11 @@ def test_bench_with_packed_documents_runs_document_attention(ray_cluster, capsys
     assert r["megaray"]["tflops"] < flops_per_step(cfg.model, 96, 16) / r["megaray"]["step_s"] / 1e12
     print_table(r)
     assert "document (mean length 4) attention (" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_the_block_bench_says_it_needs_a_gpu(capsys):
+    from megaray.pipelines.bench import main
+
+    assert main(["--block-alone", "512x1"]) == 2
+    assert "--block-alone times a block on a CUDA GPU" in capsys.readouterr().err

@@ -224,3 +224,15 @@ def test_the_attention_bench_times_every_kernel():
     if varlen_kernel() is not None:      # torch >= 2.10: flash varlen is a candidate too
         assert row.get("varlen_document_s", 0) > 0, row.get("varlen_document_error")
     assert 0 < row["pairs_kept"] < 0.5
+
+
+def test_the_block_bench_times_fused_and_eager_passes():
+    """``megaray bench --block-alone``: every case timed both ways; the block's products and
+    attention alone take less than the whole block."""
+    from megaray.bench_block import run
+
+    (row,) = run("llama1b", [(1024, 1)], reps=2)
+    assert "fused_error" not in row, row.get("fused_error")
+    for mode in ("eager", "fused"):
+        assert set(row[mode]) == {"forward_s", "lean_s", "plain_s"} and min(row[mode].values()) > 0
+    assert row["products"]["backward_s"] < row["eager"]["plain_s"]

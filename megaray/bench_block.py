@@ -1,0 +1,113 @@
+"""``megaray bench --block-alone``: one decoder block of a shape alone on the worker's GPU, its
+elementwise passes fused (``megaray.fused``, what megaray runs) and eager, against the block's
+matrix products and attention alone (what no elementwise work can go below): the forward
+without gradients (a recomputed block's first pass, a kept block's rebuilt input), and the
+forward and backward of the lean block (kept blocks) and of plain autograd's (recomputed ones).
+
+Weights and inputs are random in bf16, one micro-batch of ``batch`` x ``seq`` tokens; each
+case runs ``reps`` times after a warm-up (the compilation), and the time is the median. The
+weights' gradients are taken as the worker takes them, at each weight.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from megaray import fused
+from megaray.config import ModelConfig
+from megaray.model import block_forward, rope_tables
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _weights(cfg: ModelConfig, gen: torch.Generator) -> dict:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    shapes = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+              "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
+              "mlp.down_proj.weight": (h, i)}
+    w = {k: (torch.randn(s, generator=gen, device="cuda") * 0.02).bfloat16() for k, s in shapes.items()}
+    w["input_layernorm.weight"] = torch.ones(h, device="cuda", dtype=torch.bfloat16)
+    w["post_attention_layernorm.weight"] = torch.ones(h, device="cuda", dtype=torch.bfloat16)
+    return w
+
+
+def _products(w: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The block's matrix products and causal attention, with nothing between them."""
+    b, s, _ = x.shape
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    q, k, v = (F.linear(x, w[f"self_attn.{n}_proj.weight"]) for n in "qkv")
+    a = F.scaled_dot_product_attention(q.view(b, s, nh, hd).transpose(1, 2), k.view(b, s, nkv, hd).transpose(1, 2),
+                                       v.view(b, s, nkv, hd).transpose(1, 2), is_causal=True, enable_gqa=nkv != nh)
+    o = F.linear(a.transpose(1, 2).reshape(b, s, nh * hd), w["self_attn.o_proj.weight"])
+    return F.linear(F.linear(o, w["mlp.gate_proj.weight"]) + F.linear(o, w["mlp.up_proj.weight"]),
+                    w["mlp.down_proj.weight"])
+
+
+def _case(cfg: ModelConfig, seq: int, batch: int, reps: int) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = _weights(cfg, gen)
+    rope = rope_tables(cfg, seq, device="cuda")
+    x = torch.randn(batch, seq, cfg.hidden_size, generator=gen, device="cuda").bfloat16()
+    dy = torch.randn(batch, seq, cfg.hidden_size, generator=gen, device="cuda").bfloat16()
+
+    def backward(forward):
+        def go():
+            leaves = {k: v.detach().requires_grad_() for k, v in w.items()}
+            xl = x.detach().requires_grad_()
+            torch.autograd.grad(forward(leaves, xl), [xl, *leaves.values()], dy)
+        return go
+
+    def no_grad(forward):
+        def go():
+            with torch.no_grad():
+                forward(w, x)
+        return go
+
+    cases = {"forward_s": no_grad(lambda ws, xi: block_forward(ws, xi, rope, cfg)),
+             "lean_s": backward(lambda ws, xi: block_forward(ws, xi, rope, cfg, lean=True)),
+             "plain_s": backward(lambda ws, xi: block_forward(ws, xi, rope, cfg, lean=False))}
+    row = {"seq": seq, "batch": batch}
+    for mode in ("eager", "fused"):
+        fused.configure(enabled=mode == "fused")
+        row[mode] = {k: _time(fn, reps) for k, fn in cases.items()}
+        if mode == "fused" and not fused.active():
+            row["fused_error"] = fused.failure()
+    fused.configure()
+    row["products"] = {"forward_s": _time(no_grad(lambda ws, xi: _products(ws, xi, cfg)), reps),
+                       "backward_s": _time(backward(lambda ws, xi: _products(ws, xi, cfg)), reps)}
+    return row
+
+
+def run(shape: str, cases: list[tuple[int, int]], reps: int = 10) -> list[dict]:
+    """For each (seq, batch): one block's seconds, fused and eager, and its products alone."""
+    cfg = ModelConfig.from_shape(shape)
+    rows = []
+    for seq, batch in cases:
+        rows.append({"shape": shape, **_case(cfg, seq, batch, reps)})
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+    print("one block alone (bf16, median ms; lean and plain: forward and backward):")
+    for r in rows:
+        e, f, p = r["eager"], r["fused"], r["products"]
+        print(f"  {r['shape']} seq {r['seq']} x {r['batch']}: forward {1e3 * e['forward_s']:.2f} eager, "
+              f"{1e3 * f['forward_s']:.2f} fused, {1e3 * p['forward_s']:.2f} products alone; lean "
+              f"{1e3 * e['lean_s']:.2f} / {1e3 * f['lean_s']:.2f}; plain {1e3 * e['plain_s']:.2f} / "
+              f"{1e3 * f['plain_s']:.2f}; products alone {1e3 * p['backward_s']:.2f}"
+              + (f"; fusing failed: {r['fused_error']}" if "fused_error" in r else ""))

@@ -21,6 +21,7 @@ starts a new one that continues at the same positions.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -38,9 +39,10 @@ from megaray.errors import ActorFailure, ConfigError, MegarayError
 from megaray.hf.read import verify_source
 from megaray.layout import assign_pieces, build_layout
 from megaray.machine import Machine
-from megaray.plan import check, describe_input_stride, describe_placement, resolve
+from megaray.plan import check, describe_input_stride, describe_placement, resolve, shard_speeds
 from megaray.shm import remove_run, remove_stale
 
+from .calibrate import update_scale
 from .calls import get_or_raise
 from .data import DataFeeder
 from .debug import shard_class, worker_class
@@ -125,7 +127,10 @@ class TrainingSession:
         # through a probe task on a GPU of the cluster).
         gpu_free = ray.get(_gpu_free.remote()) if self.device == "cuda" else None
         machine = Machine.here(cfg.cluster.shm_dir, gpu_bytes=gpu_free)
-        self.cfg = cfg = resolve(cfg, machine)       # optim.grad_placement auto, decided for this GPU
+        self.speeds = shard_speeds(cfg)
+        if gpu_free is not None and "auto" in (o.placement, o.grad_placement):    # the cost model decides
+            self.speeds = dataclasses.replace(self.speeds, update_scale=update_scale(cfg))
+        self.cfg = cfg = resolve(cfg, machine, self.speeds)     # optim.grad_placement auto, decided for this GPU
         self.plan = check(cfg, machine)
         self._reserve()
         store = self._spawn(ParameterStore, "store", cfg, self.run_id, os.getpid())

@@ -31,7 +31,7 @@ from megaray.data import square_document_lengths
 from megaray.layout import build_layout, short_name
 from megaray.loader import build_config
 from megaray.model import block_forward, embed_forward, flops_per_step, rms_norm, rope_tables
-from megaray.plan import describe_placement, plan, shard_speeds
+from megaray.plan import describe_placement, plan
 
 
 class BaselineLlama(nn.Module):
@@ -209,7 +209,7 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
     offloaded = med.get("worker/offloaded_inputs", 0)
     plain = bool(med.get("worker/kept_plain", 0))
     predicted = plan(s.cfg, keep=kept, on_gpu=cfg.worker.device == "cuda", offload=offloaded, lean=not plain)
-    predicted_step = predict(s.cfg, shard_speeds(s.cfg), keep=kept)["step_s"]
+    predicted_step = predict(s.cfg, s.speeds, keep=kept)["step_s"]
     gpu_peak = max(m.get("worker/gpu_peak_bytes", 0) for m in ms)
     # less the copy of the initial weights this process holds for the baseline
     state_bytes = sum(v.nbytes for v in state.values()) if state else 0
@@ -217,7 +217,7 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
     out["planner"] = {"host_predicted_gib": predicted.host_total / 2**30, "host_measured_gib": host_peak / 2**30,
                       "gpu_predicted_gib": predicted.gpu_total / 2**30, "gpu_measured_gib": gpu_peak / 2**30,
                       "kept_blocks": kept, "kept_plain": plain, "offloaded_inputs": offloaded,
-                      "step_predicted_s": predicted_step}
+                      "step_predicted_s": predicted_step, "update_scale": s.speeds.update_scale}
     key = "optimizer_params_per_second_all_shards"
     rates = [m[key] for m in ms[1:] if key in m]
     if docs:     # the attention's work against causal attention over whole rows
@@ -346,7 +346,8 @@ def print_table(r: dict) -> None:
           f"GPU {pl['gpu_predicted_gib']:.1f} GiB predicted "
           f"(keeping {pl['kept_blocks']}{' plain' if pl.get('kept_plain') else ''} blocks), "
           f"{pl['gpu_measured_gib']:.1f} GiB peak allocated; "
-          f"step {pl['step_predicted_s']:.3f} s predicted (the default speeds), {m['step_s']:.3f} s measured")
+          f"step {pl['step_predicted_s']:.3f} s predicted (the reference speeds, the shards' AdamW at "
+          f"{pl.get('update_scale', 1.0):.2f} of the reference's as measured at start), {m['step_s']:.3f} s measured")
     for row in r.get("optimizer_scaling", []):
         print(f"  optimizer {row['shards']} shards x {row['threads_per_shard']} threads: "
               f"{row['optimizer_gparams_per_s'] or 0:.2f} G params/s summed, GPU waits {row['idle_optimizer_s']:.3f} s "

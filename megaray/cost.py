@@ -74,6 +74,7 @@ class Speeds:
     cores: int = 16                # cores for the optimizer shards
     gpu_gbps: float = 4000.0       # the GPU's memory bandwidth reached by elementwise kernels
     update_share: float = 0.67     # of the AdamW rate measured alone, what the shards reach while the worker streams
+    update_scale: float = 1.0      # this host's AdamW rate alone against the reference machine's (measured at start)
 
 
 def rates(cfg: RunConfig, speeds: Speeds) -> tuple[float, float]:
@@ -100,6 +101,16 @@ def compute_seconds(cfg: RunConfig, speeds: Speeds, recomputed: int = 0) -> floa
     attention = (6.0 * m.num_hidden_layers + 2.0 * recomputed) * m.hidden_size * t.seq_len * tokens
     mm, attn = rates(cfg, speeds)
     return matmul / mm + attention / attn
+
+
+def reference_update_rate(cfg: RunConfig, cores: int | None = None) -> float:
+    """The AdamW rate alone, parameters a second summed over ``cores`` (the shards' by
+    default), that the reference machine reached for the run's state; the host's bf16 copy
+    costs about 20% more."""
+    o = cfg.optim
+    cores = cores or o.num_shards * o.threads_per_shard
+    rate = ADAMW_PER_CORE.get((o.master_dtype, o.moment_dtype, o.grad_dtype), 6.0 / 16) * cores * 1e9
+    return rate / 1.2 if cfg.host_compute_copy else rate
 
 
 def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
@@ -135,10 +146,7 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
     stream_bytes = 2 if cfg.host_compute_copy or o.master_dtype == "bfloat16" else 4
     copy_in = (streamed + (max(0, L - keep - res) + reloaded) * block) * stream_bytes / (speeds.link_gbps * 1e9)
     copy_out = streamed * (2 if o.grad_dtype == "bfloat16" else 4) / (speeds.link_gbps * 1e9)
-    rate = (ADAMW_PER_CORE.get((o.master_dtype, o.moment_dtype, o.grad_dtype), 6.0 / 16) * speeds.cores * 1e9
-            * speeds.update_share)
-    if cfg.host_compute_copy:
-        rate /= 1.2
+    rate = reference_update_rate(cfg, speeds.cores) * speeds.update_share * speeds.update_scale
     if writes_clipped_gradient(o, o.grad_placement, o.grad_dtype):
         rate *= 28 / 36                             # the clipped gradient is a pass of its own
     updates = streamed / rate

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -311,3 +312,52 @@ def test_the_gpu_worker_runs_expandable_segments_unless_the_user_chose_the_alloc
         "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}
     assert cuda_allocator_env({"PYTORCH_ALLOC_CONF": "expandable_segments:False", "HOME": "/x"}) == {
         "PYTORCH_ALLOC_CONF": "expandable_segments:False"}
+
+
+def _llama8b_on_the_h200_machine():
+    over = ["model.shape=llama8b", "train.seq_len=4096", "train.micro_batch_size=1", "train.grad_accum=16",
+            "train.compute_dtype=bfloat16", "optim.num_shards=7", "optim.threads_per_shard=2",
+            "optim.placement=auto", "optim.grad_placement=device"]
+    return load_config("debug", over), Machine(int(119.8 * GiB), int(119.8 * GiB), int(139.8 * GiB))
+
+
+def test_a_host_with_slower_updates_gets_more_resident_units():
+    """The shards' rate measured at start scales the cost model's (``Speeds.update_scale``):
+    the updates take 1/scale as long, and where they no longer hide under the forward (llama8b
+    at 64k tokens, the H200 machine, a host updating at 0.72 of the reference's: session 15's
+    lease) the placement moves more units to the GPU."""
+    cfg, h200 = _llama8b_on_the_h200_machine()
+    placed = resolve(cfg, h200, Speeds(cores=14))
+    assert predict(placed, Speeds(cores=14, update_scale=0.5))["updates_s"] == pytest.approx(
+        2 * predict(placed, Speeds(cores=14))["updates_s"])
+    slow = resolve(cfg, h200, Speeds(cores=14, update_scale=0.72))
+    assert slow.optim.placement > placed.optim.placement
+    assert (predict(slow, Speeds(cores=14, update_scale=0.72))["step_s"]
+            < predict(placed, Speeds(cores=14, update_scale=0.72))["step_s"])
+
+
+def test_the_shards_update_rate_is_measured_on_this_node(ray_cluster, caplog):
+    """One task a shard with the shard's threads, all at once on the driver's node: a rate, and
+    its scale against the reference machine's rate for the same cores and state (fp32: 6.2 G
+    params/s over 16 cores). A measurement that cannot be placed (a shard wider than the node)
+    leaves the reference rate, says so, and leaves no task holding the node's CPUs."""
+    from megaray.actors.calibrate import update_rate, update_scale
+    from megaray.cost import reference_update_rate
+
+    cfg = load_config("debug", ["optim.num_shards=2", "optim.threads_per_shard=1"])
+    assert reference_update_rate(cfg) == pytest.approx(2 * 6.2e9 / 16)
+    rate = update_rate(cfg, numel=2**18, window_s=0.2, start_after_s=1.0)
+    assert rate > 1e6
+    with caplog.at_level("INFO", logger="megaray"):
+        scale = update_scale(cfg, numel=2**18, window_s=0.2, start_after_s=1.0)
+    assert scale > 0 and any("optimizer shards measured alone" in r.getMessage() for r in caplog.records)
+    wide = load_config("debug", ["optim.num_shards=1", "optim.threads_per_shard=8"])
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="megaray"):
+        assert update_scale(wide, numel=2**16, timeout_s=3.0) == 1.0
+    assert any("could not measure the optimizer shards' update rate" in r.getMessage() for r in caplog.records)
+    for _ in range(50):                     # the cancelled task gives its claim back
+        if ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]:
+            break
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == ray.cluster_resources()["CPU"]

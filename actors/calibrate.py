@@ -1,0 +1,92 @@
+"""The optimizer shards' AdamW rate on this machine, measured before the placement is chosen.
+
+The cost model's update rate is the reference machine's (``megaray.cost.ADAMW_PER_CORE``),
+but hosts differ, and so do leases of the same kind: on one H200 host the shards updated a
+third slower than on another (BENCHMARKS.md, session 15), and with the reference rate the
+placement left the GPU waiting 11-13% of every step for updates that more resident units
+would have taken off the CPU. So a run that chooses its placement on a GPU first measures:
+one task per shard, with the shard's threads, all on one node at once (they share its memory
+bandwidth, as the shards will), each updating its own buffer of the run's state dtypes with
+the shards' AdamW for a fixed window; the rates are summed. ``Speeds.update_scale`` is the
+sum against the reference rate for the same cores. A measurement that cannot run (no free
+CPUs on the node, a task that fails) leaves the reference rate, and the log says so.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from megaray.config import RunConfig
+from megaray.cost import reference_update_rate
+
+log = logging.getLogger("megaray")
+
+WINDOW_S = 0.5          # each task's timed window, all of them at once
+START_AFTER_S = 3.0     # time for every task's process to start and warm up before the window
+
+
+@ray.remote(max_calls=1)
+def _shard_rate(master_dtype: str, moment_dtype: str, grad_dtype: str, copy: bool, numel: int, threads: int,
+                start_at: float, window_s: float) -> float:
+    """Parameters a second one shard updates, counted over the window from ``start_at``."""
+    import torch
+
+    from megaray import adamw
+
+    torch.set_num_threads(threads)
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    gen = torch.Generator().manual_seed(0)
+    p, g = torch.randn(numel, generator=gen).to(dt[master_dtype]), torch.randn(numel, generator=gen).to(dt[grad_dtype])
+    m, v = torch.zeros(numel, dtype=dt[moment_dtype]), torch.zeros(numel, dtype=dt[moment_dtype])
+    c = torch.empty(numel, dtype=torch.bfloat16) if copy else None
+    opt = adamw.AdamW(threads)
+    h = adamw.hyper(1e-4, (0.9, 0.95), 1e-8, 0.1, 1)
+    opt.step(p, g, m, v, h, copy=c, sr_key=1)                       # warm: pages touched, kernel loaded
+    time.sleep(max(0.0, start_at - time.time()))
+    t0 = time.perf_counter()
+    done = 0
+    while True:
+        opt.step(p, g, m, v, h, copy=c, sr_key=1)
+        done += numel
+        elapsed = time.perf_counter() - t0
+        if elapsed >= window_s:
+            opt.close()
+            return done / elapsed
+
+
+def update_rate(cfg: RunConfig, numel: int = 4 * 2**20, window_s: float = WINDOW_S,
+                start_after_s: float = START_AFTER_S, timeout_s: float = 60.0) -> float:
+    """The shards' summed AdamW rate (parameters a second) measured on the driver's node, for
+    the run's shard count, threads and state dtypes; ``numel`` parameters a shard (4 Mi: 112
+    MB of fp32 state, well beyond the caches)."""
+    o = cfg.optim
+    node = ray.get_runtime_context().get_node_id()
+    start_at = time.time() + start_after_s
+    task = _shard_rate.options(num_cpus=o.threads_per_shard,
+                               scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+    refs = [task.remote(o.master_dtype, o.moment_dtype, o.grad_dtype, cfg.host_compute_copy, numel,
+                        o.threads_per_shard, start_at, window_s) for _ in range(o.num_shards)]
+    try:
+        return float(sum(ray.get(refs, timeout=timeout_s)))
+    except BaseException:
+        for r in refs:                       # none left holding the node's CPUs
+            ray.cancel(r, force=True)
+        raise
+
+
+def update_scale(cfg: RunConfig, **kw) -> float:
+    """The measured rate against the reference machine's for the same cores and state (1.0,
+    said in the log, where the measurement cannot run)."""
+    try:
+        rate = update_rate(cfg, **kw)
+    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+        log.warning("could not measure the optimizer shards' update rate (%s); planning with the reference "
+                    "machine's", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        return 1.0
+    ref = reference_update_rate(cfg)
+    log.info("optimizer shards measured alone: %.2f G params/s summed (%d x %d threads), %.2f of the reference "
+             "machine's %.2f", rate / 1e9, cfg.optim.num_shards, cfg.optim.threads_per_shard, rate / ref, ref / 1e9)
+    return rate / ref

@@ -30,8 +30,9 @@ START_AFTER_S = 3.0     # time for every task's process to start and warm up bef
 
 @ray.remote(max_calls=1)
 def _shard_rate(master_dtype: str, moment_dtype: str, grad_dtype: str, copy: bool, numel: int, threads: int,
-                start_at: float, window_s: float) -> float:
-    """Parameters a second one shard updates, counted over the window from ``start_at``."""
+                start_at: float, window_s: float) -> tuple[float, float, float]:
+    """Parameters a second one shard updates, counted over the window from ``start_at`` (or
+    from when it is ready, if later); and the window's wall-clock start and end."""
     import torch
 
     from megaray import adamw
@@ -46,7 +47,7 @@ def _shard_rate(master_dtype: str, moment_dtype: str, grad_dtype: str, copy: boo
     h = adamw.hyper(1e-4, (0.9, 0.95), 1e-8, 0.1, 1)
     opt.step(p, g, m, v, h, copy=c, sr_key=1)                       # warm: pages touched, kernel loaded
     time.sleep(max(0.0, start_at - time.time()))
-    t0 = time.perf_counter()
+    wall0, t0 = time.time(), time.perf_counter()
     done = 0
     while True:
         opt.step(p, g, m, v, h, copy=c, sr_key=1)
@@ -54,7 +55,7 @@ def _shard_rate(master_dtype: str, moment_dtype: str, grad_dtype: str, copy: boo
         elapsed = time.perf_counter() - t0
         if elapsed >= window_s:
             opt.close()
-            return done / elapsed
+            return done / elapsed, wall0, time.time()
 
 
 def update_rate(cfg: RunConfig, numel: int = 4 * 2**20, window_s: float = WINDOW_S,
@@ -70,11 +71,16 @@ def update_rate(cfg: RunConfig, numel: int = 4 * 2**20, window_s: float = WINDOW
     refs = [task.remote(o.master_dtype, o.moment_dtype, o.grad_dtype, cfg.host_compute_copy, numel,
                         o.threads_per_shard, start_at, window_s) for _ in range(o.num_shards)]
     try:
-        return float(sum(ray.get(refs, timeout=timeout_s)))
+        results = ray.get(refs, timeout=timeout_s)
     except BaseException:
         for r in refs:                       # none left holding the node's CPUs
             ray.cancel(r, force=True)
         raise
+    together = min(end for _, _, end in results) - max(start for _, start, _ in results)
+    if together < window_s / 2:              # a task started late: the others had the memory to themselves
+        log.warning("the optimizer shards' timed updates overlapped for %.2f s of %.2f: the measured rate is "
+                    "on the high side", max(together, 0.0), window_s)
+    return float(sum(rate for rate, _, _ in results))
 
 
 def update_scale(cfg: RunConfig, **kw) -> float:

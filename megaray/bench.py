@@ -211,11 +211,16 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
     predicted = plan(s.cfg, keep=kept, on_gpu=cfg.worker.device == "cuda", offload=offloaded, lean=not plain)
     predicted_step = predict(s.cfg, s.speeds, keep=kept)["step_s"]
     gpu_peak = max(m.get("worker/gpu_peak_bytes", 0) for m in ms)
+    # the plan's figure is for the median step's choices: its peak is that of the steps that made them
+    # (the first step may keep more blocks than the worker keeps after measuring it)
+    chose = ("worker/kept_blocks", "worker/offloaded_inputs", "worker/kept_plain")
+    like_med = [m for m in ms if all(m.get(k, 0) == med.get(k, 0) for k in chose)]
+    gpu_peak_planned = max(m.get("worker/gpu_peak_bytes", 0) for m in like_med)
     # less the copy of the initial weights this process holds for the baseline
     state_bytes = sum(v.nbytes for v in state.values()) if state else 0
     host_peak = max(m["node_memory_used_bytes"] for m in ms) - host_before - state_bytes
     out["planner"] = {"host_predicted_gib": predicted.host_total / 2**30, "host_measured_gib": host_peak / 2**30,
-                      "gpu_predicted_gib": predicted.gpu_total / 2**30, "gpu_measured_gib": gpu_peak / 2**30,
+                      "gpu_predicted_gib": predicted.gpu_total / 2**30, "gpu_measured_gib": gpu_peak_planned / 2**30,
                       "kept_blocks": kept, "kept_plain": plain, "offloaded_inputs": offloaded,
                       "step_predicted_s": predicted_step, "update_scale": s.speeds.update_scale}
     key = "optimizer_params_per_second_all_shards"
@@ -345,7 +350,7 @@ def print_table(r: dict) -> None:
           "(system memory in use, less what was in use before and the baseline's copy of the weights); "
           f"GPU {pl['gpu_predicted_gib']:.1f} GiB predicted "
           f"(keeping {pl['kept_blocks']}{' plain' if pl.get('kept_plain') else ''} blocks), "
-          f"{pl['gpu_measured_gib']:.1f} GiB peak allocated; "
+          f"{pl['gpu_measured_gib']:.1f} GiB peak allocated in the steps that kept as many; "
           f"step {pl['step_predicted_s']:.3f} s predicted (the reference speeds, the shards' AdamW at "
           f"{pl.get('update_scale', 1.0):.2f} of the reference's as measured at start), {m['step_s']:.3f} s measured")
     for row in r.get("optimizer_scaling", []):

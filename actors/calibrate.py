@@ -38,11 +38,7 @@ def _shard_rate(master_dtype: str, moment_dtype: str, grad_dtype: str, copy: boo
     from megaray import adamw
 
     torch.set_num_threads(threads)
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    gen = torch.Generator().manual_seed(0)
-    p, g = torch.randn(numel, generator=gen).to(dt[master_dtype]), torch.randn(numel, generator=gen).to(dt[grad_dtype])
-    m, v = torch.zeros(numel, dtype=dt[moment_dtype]), torch.zeros(numel, dtype=dt[moment_dtype])
-    c = torch.empty(numel, dtype=torch.bfloat16) if copy else None
+    p, g, m, v, c = adamw.random_state(numel, master_dtype, grad_dtype, moment_dtype, copy)
     opt = adamw.AdamW(threads)
     h = adamw.hyper(1e-4, (0.9, 0.95), 1e-8, 0.1, 1)
     opt.step(p, g, m, v, h, copy=c, sr_key=1)                       # warm: pages touched, kernel loaded
@@ -88,7 +84,7 @@ def update_scale(cfg: RunConfig, **kw) -> float:
     said in the log, where the measurement cannot run)."""
     try:
         rate = update_rate(cfg, **kw)
-    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
+    except ray.exceptions.RayError as e:          # a timeout too (GetTimeoutError is one)
         log.warning("could not measure the optimizer shards' update rate (%s); planning with the reference "
                     "machine's", str(e).splitlines()[0] if str(e) else type(e).__name__)
         return 1.0

@@ -88,6 +88,19 @@ def hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float
                  weight_decay=weight_decay, eps_raw=eps)
 
 
+def random_state(numel: int, master_dtype: str, grad_dtype: str, moment_dtype: str, copy: bool,
+                 seed: int = 0) -> tuple:
+    """(master, gradient, m, v, the bf16 copy or None) of ``numel`` parameters in the given
+    storage, random weights and gradient, zero moments: what the update benchmarks and the
+    start-up measurement of the shards' rate update."""
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(numel, generator=gen).to(dt[master_dtype])
+    g = torch.randn(numel, generator=gen).to(dt[grad_dtype])
+    m, v = torch.zeros(numel, dtype=dt[moment_dtype]), torch.zeros(numel, dtype=dt[moment_dtype])
+    return p, g, m, v, (torch.empty(numel, dtype=torch.bfloat16) if copy else None)
+
+
 def mix32(x: int) -> int:
     """The C kernel's lowbias32 hash of a 32-bit integer."""
     x &= _M32

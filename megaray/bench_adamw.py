@@ -30,10 +30,7 @@ def _worker(kind, combo, n, threads, reps, q, barrier):
 
     torch.set_num_threads(threads)
     pdt, gdt, mdt, copy, _ = COMBOS[combo]
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    p, g = torch.randn(n).to(dt[pdt]), torch.randn(n).to(dt[gdt])
-    m, v = torch.zeros(n, dtype=dt[mdt]), torch.zeros(n, dtype=dt[mdt])
-    c = torch.empty(n, dtype=torch.bfloat16) if copy else None
+    p, g, m, v, c = adamw.random_state(n, pdt, gdt, mdt, copy)
     h = adamw.hyper(1e-4, (0.9, 0.95), 1e-8, 0.1, 1)
     if kind == "megaray":
         opt = adamw.AdamW(threads)

@@ -10,27 +10,13 @@ weights' gradients are taken as the worker takes them, at each weight.
 """
 from __future__ import annotations
 
-import time
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from megaray import fused
+from megaray.bench_attention import median_seconds
 from megaray.config import ModelConfig
 from megaray.model import block_forward, rope_tables
-
-
-def _time(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def _weights(cfg: ModelConfig, gen: torch.Generator) -> dict:
@@ -83,12 +69,12 @@ def _case(cfg: ModelConfig, seq: int, batch: int, reps: int) -> dict:
     row = {"seq": seq, "batch": batch}
     for mode in ("eager", "fused"):
         fused.configure(enabled=mode == "fused")
-        row[mode] = {k: _time(fn, reps) for k, fn in cases.items()}
+        row[mode] = {k: median_seconds(fn, reps) for k, fn in cases.items()}
         if mode == "fused" and not fused.active():
             row["fused_error"] = fused.failure()
     fused.configure()
-    row["products"] = {"forward_s": _time(no_grad(lambda ws, xi: _products(ws, xi, cfg)), reps),
-                       "backward_s": _time(backward(lambda ws, xi: _products(ws, xi, cfg)), reps)}
+    row["products"] = {"forward_s": median_seconds(no_grad(lambda ws, xi: _products(ws, xi, cfg)), reps),
+                       "backward_s": median_seconds(backward(lambda ws, xi: _products(ws, xi, cfg)), reps)}
     return row
 
 

@@ -1,7 +1,15 @@
 """Shared fixtures: one Ray cluster per test module, with CPUs set explicitly."""
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -24,3 +32,94 @@ def shm_files(run_id: str | None = None, pid: int | None = None) -> list[str]:
     if run_id is not None:
         return [f for f in os.listdir("/dev/shm") if f.startswith("megaray_") and f"_{run_id}_" in f]
     return [f for f in os.listdir("/dev/shm") if f.startswith(f"megaray_{pid or os.getpid()}_")]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (its local Ray: GCS, raylet, workers), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@pytest.fixture
+def train_cli(tmp_path):
+    """Start ``python -m megaray.pipelines.train debug ...`` (its own local Ray) in a subprocess.
+
+    The subprocess runs with faulthandler on. A test ends it with ``finish(proc)``: a run that
+    has not exited by then gets SIGABRT, so its output shows every thread's stack, and then
+    the whole process tree is killed. One hang therefore fails one test with its stacks; it
+    does not leave a Ray instance that later tests' ``ray.init`` would find. Anything still
+    running at teardown is killed the same way.
+    """
+    procs: list[subprocess.Popen] = []
+
+    def start(*overrides: str) -> subprocess.Popen:
+        env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONFAULTHANDLER="1")
+        proc = subprocess.Popen([sys.executable, "-m", "megaray.pipelines.train", "debug", "data.max_bytes=50000",
+                                 f"run.dir={tmp_path}", "cluster.num_cpus=4", *overrides],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                preexec_fn=_no_core_files)
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            _kill_tree(proc)
+
+
+def _no_core_files() -> None:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))              # SIGABRT shows the stacks, writes no core
+
+
+def _kill_tree(proc: subprocess.Popen) -> str:
+    tree = _descendants(proc.pid)
+    proc.send_signal(signal.SIGABRT)                               # faulthandler: every thread's stack
+    try:
+        out, _ = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for name in shm_files(pid=proc.pid):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join("/dev/shm", name))
+    return out or ""
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> str:
+    """The output of a subprocess started by ``train_cli`` once it exits; if it does not within
+    ``timeout`` seconds, fail with its threads' stacks after killing it and its Ray."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return out
+    except subprocess.TimeoutExpired:
+        out = _kill_tree(proc)
+        raise AssertionError(f"the run did not exit within {timeout:.0f} s; its output, ending with "
+                             f"every thread's stack:\n{out[-20000:]}") from None
+
+
+def wait_for_steps(proc: subprocess.Popen, logs: Callable[[], list[Path]], n: int, timeout: float = 180) -> None:
+    """Wait until the first of ``logs()`` holds ``n`` step lines; fail if the run exits first."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        found = logs()
+        if found and found[0].read_text().count(" INFO step ") >= n:
+            return
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    raise AssertionError(f"the run did not log {n} steps within {timeout:.0f} s")

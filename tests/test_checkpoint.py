@@ -9,16 +9,16 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import zlib
 from pathlib import Path
 
+import conftest
 import numpy as np
 import pytest
 import ray
 import torch
-from conftest import shm_files
+from conftest import finish, shm_files, wait_for_steps
 
 from megaray.actors.session import NAMESPACE
 from megaray.checkpoint import Checkpoint, complete_checkpoints
@@ -266,29 +266,15 @@ def test_too_many_nonfinite_steps_in_a_row_stop_the_run(ray_cluster, tmp_path):
     assert shm_files() == []
 
 
-def _run_cli(tmp_path, *extra):
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    return subprocess.Popen([sys.executable, "-m", "megaray.pipelines.train", "debug", "train.steps=100000",
-                             "data.max_bytes=50000", f"run.dir={tmp_path}", "cluster.num_cpus=4", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+def _wait_for_steps(tmp_path, proc):
+    wait_for_steps(proc, lambda: list(tmp_path.glob("debug-*/train.log")), 5)
 
 
-def _wait_for_steps(tmp_path, proc, n=5, timeout=180):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        logs = list(tmp_path.glob("debug-*/train.log"))
-        if logs and logs[0].read_text().count(" INFO step ") >= n:
-            return
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.5)
-    raise AssertionError("the run did not start")
-
-
-def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
-    proc = _run_cli(tmp_path, "checkpoint.every=0")
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path, train_cli):
+    proc = train_cli("train.steps=100000", "checkpoint.every=0")
     _wait_for_steps(tmp_path, proc)
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    out = finish(proc)
     assert proc.returncode == 143, out
     (summary,) = [json.loads(p.read_text()) for p in tmp_path.glob("debug-*/summary.json")]
     assert summary["status"] == "stopped"
@@ -297,8 +283,8 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(tmp_path):
     assert shm_files(pid=proc.pid) == []
 
 
-def test_sigkilled_driver_leaves_files_a_later_run_removes(tmp_path):
-    proc = _run_cli(tmp_path)
+def test_sigkilled_driver_leaves_files_a_later_run_removes(tmp_path, train_cli):
+    proc = train_cli("train.steps=100000")
     _wait_for_steps(tmp_path, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
@@ -308,3 +294,33 @@ def test_sigkilled_driver_leaves_files_a_later_run_removes(tmp_path):
     assert {os.path.basename(p) for p in removed} >= set(left)
     assert shm_files(pid=proc.pid) == []
     subprocess.run(["pkill", "-9", "-f", "megaray.pipelines.train debug train.steps=100000"], capture_output=True)
+
+
+def test_a_run_that_does_not_exit_is_shown_and_killed_with_its_ray(tmp_path, train_cli):
+    """The guard the signal tests rely on: a run still going at ``finish``'s deadline fails the
+    test with its threads' stacks, and neither it nor any process of its local Ray is left."""
+    proc = train_cli("train.steps=100000")
+    _wait_for_steps(tmp_path, proc)
+    tree = conftest._descendants(proc.pid)
+    assert any("raylet" in _cmdline(pid) for pid in tree)
+    with pytest.raises(AssertionError, match="did not exit within 1 s") as failed:
+        finish(proc, timeout=1)
+    assert "Thread 0x" in str(failed.value) and "megaray" in str(failed.value)   # faulthandler's dump
+    time.sleep(1)
+    assert [pid for pid in tree if _alive(pid)] == []
+    assert shm_files(pid=proc.pid) == []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for a parent that is already gone."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

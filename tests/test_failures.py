@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import shm_files
+from conftest import finish, shm_files, wait_for_steps
 
 from megaray.checkpoint import Checkpoint, Checkpointer, complete_checkpoints
 from megaray.dataset import ShardDataset
@@ -245,48 +245,29 @@ def test_megaray_clean_removes_only_dead_runs_files(tmp_path):
     assert sorted(f.name for f in tmp_path.iterdir()) == [f"megaray_{os.getpid()}_r-2_master"]
 
 
-def test_ctrl_c_twice_still_cleans_up(tmp_path):
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    proc = subprocess.Popen([sys.executable, "-m", "megaray.pipelines.train", "debug", "train.steps=100000",
-                             "data.max_bytes=50000", f"run.dir={tmp_path}", "cluster.num_cpus=4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    t0 = time.time()
-    while time.time() - t0 < 180:
-        logs = list(tmp_path.glob("debug-*/train.log"))
-        if logs and logs[0].read_text().count(" INFO step ") >= 3:
-            break
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.5)
+def test_ctrl_c_twice_still_cleans_up(tmp_path, train_cli):
+    proc = train_cli("train.steps=100000")
+    wait_for_steps(proc, lambda: list(tmp_path.glob("debug-*/train.log")), 3)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.3)
     proc.send_signal(signal.SIGINT)                               # impatient: again, during the cleanup
-    out, _ = proc.communicate(timeout=120)
+    out = finish(proc)
     assert proc.returncode == 130, out
     assert shm_files(pid=proc.pid) == []
     (summary,) = [json.loads(p.read_text()) for p in tmp_path.glob("debug-*/summary.json")]
     assert summary["status"] == "failed" and "KeyboardInterrupt" in summary["error"]
 
 
-def test_a_stop_checkpoint_survives_other_runs_of_the_same_name(ray_cluster, tmp_path):
+def test_a_stop_checkpoint_survives_other_runs_of_the_same_name(ray_cluster, tmp_path, train_cli):
     """`ray job stop` of a second launch of a fresh-starting config (the demo's resume: null)
     keeps its stop checkpoint: each such launch has a checkpoint folder of its own, and pruning
     only ever touches the run's own folder (issue 21)."""
     first = train(_cfg(tmp_path, "run.name=demo", "checkpoint.resume=null", "train.steps=6", "checkpoint.keep=1"))
     before = _tree(Path(first["checkpoint"]).parent)
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    proc = subprocess.Popen([sys.executable, "-m", "megaray.pipelines.train", "debug", "run.name=demo",
-                             "checkpoint.resume=null", "checkpoint.keep=1", "train.steps=100000",
-                             "data.max_bytes=50000", f"run.dir={tmp_path}", "cluster.num_cpus=4"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    t0 = time.time()
-    while time.time() - t0 < 180:
-        logs = [p for p in tmp_path.glob("demo-*/train.log") if first["run_id"] not in str(p)]
-        if logs and logs[0].read_text().count(" INFO step ") >= 2:
-            break
-        assert proc.poll() is None, proc.stdout.read()
-        time.sleep(0.5)
+    proc = train_cli("run.name=demo", "checkpoint.resume=null", "checkpoint.keep=1", "train.steps=100000")
+    wait_for_steps(proc, lambda: [p for p in tmp_path.glob("demo-*/train.log") if first["run_id"] not in str(p)], 2)
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    out = finish(proc)
     assert proc.returncode == 143, out
     (second,) = [json.loads(p.read_text()) for p in tmp_path.glob("demo-*/summary.json")
                  if json.loads(p.read_text())["run_id"] != first["run_id"]]

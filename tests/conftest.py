@@ -70,7 +70,7 @@ def train_cli(tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "megaray.pipelines.train", "debug", "data.max_bytes=50000",
                                  f"run.dir={tmp_path}", "cluster.num_cpus=4", *overrides],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                preexec_fn=_no_core_files)
+                                preexec_fn=_child_setup)
         procs.append(proc)
         return proc
 
@@ -80,8 +80,13 @@ def train_cli(tmp_path):
             _kill_tree(proc)
 
 
-def _no_core_files() -> None:
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))              # SIGABRT shows the stacks, writes no core
+def _child_setup() -> None:
+    """In the child before it runs: ctrl-c's default action, which a pytest started in the
+    background of a script does not have (a shell starts background jobs with SIGINT ignored,
+    and Python then leaves it ignored: the run would never see the test's SIGINTs), and no
+    core file from the SIGABRT that shows a hung run's stacks."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 
 
 def _kill_tree(proc: subprocess.Popen) -> str:

@@ -24,14 +24,16 @@ HEADS, KV_HEADS, HEAD_DIM = 24, 8, 128
 
 
 def median_seconds(fn, reps: int) -> float:
-    """Median wall seconds of ``fn`` on the GPU over ``reps`` runs after one warm-up."""
+    """Median wall seconds of ``fn`` on the GPU (or the CPU, where there is none) over ``reps``
+    runs after one warm-up."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t0)
     return float(np.median(times))
 

@@ -19,16 +19,20 @@ from megaray.config import ModelConfig
 from megaray.model import block_forward, rope_tables
 
 
-def _weights(cfg: ModelConfig, gen: torch.Generator) -> dict:
+def _weights(cfg: ModelConfig, gen: torch.Generator, device: str) -> dict:
     h, i = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     shapes = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
               "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
               "mlp.down_proj.weight": (h, i)}
-    w = {k: (torch.randn(s, generator=gen, device="cuda") * 0.02).bfloat16() for k, s in shapes.items()}
-    w["input_layernorm.weight"] = torch.ones(h, device="cuda", dtype=torch.bfloat16)
-    w["post_attention_layernorm.weight"] = torch.ones(h, device="cuda", dtype=torch.bfloat16)
+    w = {k: (torch.randn(s, generator=gen, device=device) * 0.02).bfloat16() for k, s in shapes.items()}
+    w["input_layernorm.weight"] = torch.ones(h, device=device, dtype=torch.bfloat16)
+    w["post_attention_layernorm.weight"] = torch.ones(h, device=device, dtype=torch.bfloat16)
     return w
+
+
+PRODUCT_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                   "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
 
 
 def _products(w: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
@@ -43,18 +47,19 @@ def _products(w: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
                     w["mlp.down_proj.weight"])
 
 
-def _case(cfg: ModelConfig, seq: int, batch: int, reps: int) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w = _weights(cfg, gen)
-    rope = rope_tables(cfg, seq, device="cuda")
-    x = torch.randn(batch, seq, cfg.hidden_size, generator=gen, device="cuda").bfloat16()
-    dy = torch.randn(batch, seq, cfg.hidden_size, generator=gen, device="cuda").bfloat16()
+def _case(cfg: ModelConfig, seq: int, batch: int, reps: int, device: str = "cuda") -> dict:
+    gen = torch.Generator(device=device).manual_seed(0)
+    w = _weights(cfg, gen, device)
+    rope = rope_tables(cfg, seq, device=device)
+    x = torch.randn(batch, seq, cfg.hidden_size, generator=gen, device=device).bfloat16()
+    dy = torch.randn(batch, seq, cfg.hidden_size, generator=gen, device=device).bfloat16()
 
-    def backward(forward):
+    def backward(forward, names=tuple(w)):
+        """The input's gradient and those of the weights ``names`` (the ones ``forward`` uses)."""
         def go():
-            leaves = {k: v.detach().requires_grad_() for k, v in w.items()}
+            leaves = {k: v.detach().requires_grad_() if k in names else v for k, v in w.items()}
             xl = x.detach().requires_grad_()
-            torch.autograd.grad(forward(leaves, xl), [xl, *leaves.values()], dy)
+            torch.autograd.grad(forward(leaves, xl), [xl, *(leaves[k] for k in names)], dy)
         return go
 
     def no_grad(forward):
@@ -74,17 +79,20 @@ def _case(cfg: ModelConfig, seq: int, batch: int, reps: int) -> dict:
             row["fused_error"] = fused.failure()
     fused.configure()
     row["products"] = {"forward_s": median_seconds(no_grad(lambda ws, xi: _products(ws, xi, cfg)), reps),
-                       "backward_s": median_seconds(backward(lambda ws, xi: _products(ws, xi, cfg)), reps)}
+                       "backward_s": median_seconds(backward(lambda ws, xi: _products(ws, xi, cfg), PRODUCT_WEIGHTS),
+                                                      reps)}
     return row
 
 
-def run(shape: str, cases: list[tuple[int, int]], reps: int = 10) -> list[dict]:
-    """For each (seq, batch): one block's seconds, fused and eager, and its products alone."""
+def run(shape: str, cases: list[tuple[int, int]], reps: int = 10, device: str = "cuda") -> list[dict]:
+    """For each (seq, batch): one block's seconds, fused and eager, and its products alone
+    (``device`` other than the GPU for tests: the passes then run eagerly both ways)."""
     cfg = ModelConfig.from_shape(shape)
     rows = []
     for seq, batch in cases:
-        rows.append({"shape": shape, **_case(cfg, seq, batch, reps)})
-        torch.cuda.empty_cache()
+        rows.append({"shape": shape, **_case(cfg, seq, batch, reps, device)})
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 

@@ -117,3 +117,15 @@ def test_the_block_bench_says_it_needs_a_gpu(capsys):
 
     assert main(["--block-alone", "512x1"]) == 2
     assert "--block-alone times a block on a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_block_bench_runs_every_case_on_the_cpu():
+    """The block bench's cases on the CPU (the passes eager both ways): each one runs its
+    forward and its backward, the products' alone with just the weights they use."""
+    from megaray.bench_block import print_rows, run
+
+    (row,) = run("debug", [(16, 2)], reps=1, device="cpu")
+    for mode in ("eager", "fused"):
+        assert set(row[mode]) == {"forward_s", "lean_s", "plain_s"} and min(row[mode].values()) > 0
+    assert min(row["products"].values()) > 0
+    print_rows([row])

@@ -30,6 +30,7 @@ from megaray.cost import predict
 from megaray.data import square_document_lengths
 from megaray.layout import build_layout, short_name
 from megaray.loader import build_config
+from megaray.memory import CUDA_CONTEXT_BYTES
 from megaray.model import block_forward, embed_forward, flops_per_step, rms_norm, rope_tables
 from megaray.plan import describe_placement, plan
 
@@ -221,6 +222,8 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
     host_peak = max(m["node_memory_used_bytes"] for m in ms) - host_before - state_bytes
     out["planner"] = {"host_predicted_gib": predicted.host_total / 2**30, "host_measured_gib": host_peak / 2**30,
                       "gpu_predicted_gib": predicted.gpu_total / 2**30, "gpu_measured_gib": gpu_peak_planned / 2**30,
+                      # what the allocator's peak counts: the plan less the CUDA context and slack
+                      "gpu_predicted_allocated_gib": max(0, predicted.gpu_total - CUDA_CONTEXT_BYTES) / 2**30,
                       "kept_blocks": kept, "kept_plain": plain, "offloaded_inputs": offloaded,
                       "step_predicted_s": predicted_step, "update_scale": s.speeds.update_scale}
     key = "optimizer_params_per_second_all_shards"
@@ -349,7 +352,8 @@ def print_table(r: dict) -> None:
     print(f"  planner: host {pl['host_predicted_gib']:.1f} GiB predicted, {pl['host_measured_gib']:.1f} GiB measured "
           "(system memory in use, less what was in use before and the baseline's copy of the weights); "
           f"GPU {pl['gpu_predicted_gib']:.1f} GiB predicted "
-          f"(keeping {pl['kept_blocks']}{' plain' if pl.get('kept_plain') else ''} blocks), "
+          f"(keeping {pl['kept_blocks']}{' plain' if pl.get('kept_plain') else ''} blocks; "
+          f"{pl['gpu_predicted_allocated_gib']:.2f} less the CUDA context and slack), "
           f"{pl['gpu_measured_gib']:.1f} GiB peak allocated in the steps that kept as many; "
           f"step {pl['step_predicted_s']:.3f} s predicted (the reference speeds, the shards' AdamW at "
           f"{pl.get('update_scale', 1.0):.2f} of the reference's as measured at start), {m['step_s']:.3f} s measured")

@@ -78,6 +78,8 @@ def test_bench_runs_megaray_and_baseline_from_the_same_weights(ray_cluster):
     o = d["overlapped"]     # after the verdict: the slowest shard's span holds its updates and its waits
     assert 0 < o["optimizer_update_s"] <= o["optimizer_span_s"]
     assert 0 <= o["optimizer_gradient_wait_s"] < o["optimizer_span_s"]
+    pl = r["planner"]        # what the allocator's peak can be compared with: the plan less the 1 GiB context
+    assert pl["gpu_predicted_allocated_gib"] == pytest.approx(pl["gpu_predicted_gib"] - 1.0)
 
 
 def test_bench_with_gradients_in_host_memory_measures_both_links(ray_cluster, capsys):

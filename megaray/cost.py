@@ -9,7 +9,7 @@ compute can start. The terms:
 - compute: the model's FLOPs (ARCHITECTURE.md's formula) and, for every block that is not
   kept, its forward again in the backward (a third of its share), and once more for each
   block whose input was not saved (``worker.input_stride``): the matrix products
-  (6 x parameters x tokens) at the rate the H200 reached for the model's hidden size, the
+  (6 x parameters x tokens) at the rate measured for the model's hidden size, the
   attention (6 x layers x hidden x sequence x tokens) at flash attention's rate for the
   sequence length (``compute_seconds``), or all of it at one ``gpu_tflops`` when given;
 - copy-in: every unit's weights once in the forward, and the recomputed blocks' again in the
@@ -45,11 +45,14 @@ ADAMW_PER_CORE = {("float32", "float32", "float32"): 6.2 / 16, ("float32", "floa
                   ("bfloat16", "bfloat16", "bfloat16"): 7.7 / 16}
 
 
-# bf16 TFLOP/s of the matrix products in a step's compute on the H200, by hidden size: the
-# measured compute seconds of llama1b and llama3b (seq 2048) and llama8b (seq 4096) steps at
-# 64k tokens, less their attention at ATTENTION_TFLOPS (BENCHMARKS.md, session 9). Larger
+# bf16 TFLOP/s of the matrix products in a step's compute, by hidden size: the measured
+# compute seconds of llama3b (seq 2048) and llama8b (seq 4096) steps at 64k tokens with the
+# elementwise passes compiled (``megaray.fused``), less their attention at ATTENTION_TFLOPS
+# (BENCHMARKS.md, session 17: 514 and 573, on an H100, whose bf16 tensor cores are the H200's).
+# The eager steps of session 9 ran at 343, 394 and 474; llama1b's point (hidden 2048) is its
+# eager rate scaled as llama3b's was (x1.30) until a fused llama1b step is measured. Larger
 # matrices run faster; beyond the measured sizes the nearest is taken, never extrapolated.
-MATMUL_TFLOPS = ((2048, 343.0), (3072, 394.0), (4096, 474.0))
+MATMUL_TFLOPS = ((2048, 446.0), (3072, 514.0), (4096, 573.0))
 # flash attention's forward and backward, bf16 TFLOP/s by sequence length (llama3b's heads,
 # `megaray bench --attention-alone`, session 9: 281 at 2048, 495 at 16,384, 462 at 131,072),
 # interpolated in log2 of the length, the mean of the long ones beyond.

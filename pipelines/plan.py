@@ -19,8 +19,8 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
                                              "16 with --host-gib)")
     p.add_argument("--link-gbps", type=float, help="host<->GPU copy rate, GB/s each way (default 53.7: pinned, PCIe 5)")
     p.add_argument("--gpu-tflops", type=float,
-                   help="one bf16 TFLOP/s for all of a step's compute (default: the H200's measured rates, "
-                        "343-474 for the matrix products by hidden size, 281-470 for attention by sequence length)")
+                   help="one bf16 TFLOP/s for all of a step's compute (default: the measured rates, "
+                        "446-573 for the matrix products by hidden size, 281-470 for attention by sequence length)")
     a = p.parse_args(argv)
     import os
 

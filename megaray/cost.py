@@ -57,6 +57,12 @@ MATMUL_TFLOPS = ((2048, 446.0), (3072, 514.0), (4096, 573.0))
 # `megaray bench --attention-alone`, session 9: 281 at 2048, 495 at 16,384, 462 at 131,072),
 # interpolated in log2 of the length, the mean of the long ones beyond.
 ATTENTION_TFLOPS = ((2048, 281.0), (16384, 470.0))
+# The forward alone runs faster than the step's average the two tables describe (no backward
+# products' fp32 accumulation, no recomputation's extra passes): llama8b's forward at seq 4096
+# (15 blocks kept, 17 recomputed) took 1.429 s for 32 blocks on the H200 where the tables give
+# 1.80 (BENCHMARKS.md, session 18). It decides when the forward catches up with the updates
+# (``predict``'s schedule); the step's total compute stays the tables'.
+FORWARD_SPEEDUP = 1.25
 
 
 def _interpolate(table, x: float, log: bool = False) -> float:
@@ -155,6 +161,8 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
     updates = streamed / rate
     mm, attn = rates(cfg, speeds)                   # one block's forward:
     f = 2.0 * t.tokens_per_step * (block / mm + m.hidden_size * t.seq_len / attn)
+    if not speeds.gpu_tflops:                       # the measured rates: the forward's own speed
+        f /= FORWARD_SPEEDUP
     done = 0.0 if embed_res else units[0].numel / rate   # the embedding's update, first
     clock = done
     for i in range(L):

@@ -207,6 +207,11 @@ def test_the_forward_waits_for_each_streamed_update():
     assert placed(1)["wait_updates_s"] == pytest.approx((2 * block + head) / rate - 2 * f)
     assert placed(2)["wait_updates_s"] == pytest.approx((block + head) / rate - 2 * f)   # block 1's, then the head's
     assert placed(3)["wait_updates_s"] == pytest.approx(head / rate - 2 * f)             # the head's alone
+    # with the measured rates (no one gpu_tflops) the forward runs 1.25x the step's average
+    # (the debug model's hidden size and length are below the tables: their end values)
+    f_measured = 2.0 * t * (block / 446e12 + 32 * cfg.train.seq_len / 281e12) / 1.25
+    assert predict(cfg, Speeds(cores=1, update_share=0.5))["wait_updates_s"] == pytest.approx(
+        (embed + 2 * block + head) / rate - 2 * f_measured)
     assert placed(3)["updates_s"] == pytest.approx((streamed["updates_s"] * rate - 2 * block - embed) / rate)
     # gradients in host memory with clipping: torch's fused AdamW moves 36 bytes a parameter, not 28
     host = load_config("debug", ["train.grad_accum=1", "optim.grad_placement=host", "optim.clip_grad_norm=1.0"])

@@ -96,20 +96,27 @@ def rates(cfg: RunConfig, speeds: Speeds) -> tuple[float, float]:
             _interpolate(ATTENTION_TFLOPS, cfg.train.seq_len, log=True) * 1e12)
 
 
+def block_forward_seconds(cfg: RunConfig, speeds: Speeds) -> float:
+    """One block's forward over a step's tokens at the step-average rates (``rates``): its
+    matrix products (2 x the block's parameters x tokens) and its attention (2 x hidden x
+    sequence x tokens)."""
+    m, t = cfg.model, cfg.train
+    block = build_layout(m)[1].numel if m.num_hidden_layers else 0
+    mm, attn = rates(cfg, speeds)
+    return 2.0 * t.tokens_per_step * (block / mm + m.hidden_size * t.seq_len / attn)
+
+
 def compute_seconds(cfg: RunConfig, speeds: Speeds, recomputed: int = 0) -> float:
     """The GPU's seconds for a step's FLOPs (ARCHITECTURE.md's formula, causal attention's
     work: document masking does less, which the plan cannot know in advance) and for
-    ``recomputed`` blocks' forwards again: the matrix products (6 x parameters x tokens, and
-    2 x a block's parameters x tokens per recomputed block) and the attention (6 x layers x
-    hidden x sequence x tokens, and 2 x hidden x sequence x tokens per recomputed block),
-    each at its rate (``rates``)."""
+    ``recomputed`` blocks' forwards again (``block_forward_seconds`` each): the matrix
+    products (6 x parameters x tokens) and the attention (6 x layers x hidden x sequence x
+    tokens), each at its rate (``rates``)."""
     m, t = cfg.model, cfg.train
-    block = build_layout(m)[1].numel if m.num_hidden_layers else 0
     tokens = t.tokens_per_step
-    matmul = 6.0 * m.num_params() * tokens + recomputed * 2.0 * block * tokens
-    attention = (6.0 * m.num_hidden_layers + 2.0 * recomputed) * m.hidden_size * t.seq_len * tokens
     mm, attn = rates(cfg, speeds)
-    return matmul / mm + attention / attn
+    return (6.0 * m.num_params() * tokens / mm + 6.0 * m.num_hidden_layers * m.hidden_size * t.seq_len * tokens / attn
+            + recomputed * block_forward_seconds(cfg, speeds))
 
 
 def reference_update_rate(cfg: RunConfig, cores: int | None = None) -> float:
@@ -135,7 +142,7 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
     and copy-out still bound it from below. With the gradients in host memory and clipping,
     torch's fused AdamW on fp32 state first writes the clipped gradient (``megaray.adamw``):
     36 bytes a parameter moved instead of 28."""
-    m, t, o = cfg.model, cfg.train, cfg.optim
+    m, o = cfg.model, cfg.optim
     units = build_layout(m)
     n = m.num_params()
     L = m.num_hidden_layers
@@ -159,9 +166,8 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
     if writes_clipped_gradient(o, o.grad_placement, o.grad_dtype):
         rate *= 28 / 36                             # the clipped gradient is a pass of its own
     updates = streamed / rate
-    mm, attn = rates(cfg, speeds)                   # one block's forward:
-    f = 2.0 * t.tokens_per_step * (block / mm + m.hidden_size * t.seq_len / attn)
-    if not speeds.gpu_tflops:                       # the measured rates: the forward's own speed
+    f = block_forward_seconds(cfg, speeds)          # one block's forward; at the measured rates, its own speed
+    if not speeds.gpu_tflops:
         f /= FORWARD_SPEEDUP
     done = 0.0 if embed_res else units[0].numel / rate   # the embedding's update, first
     clock = done

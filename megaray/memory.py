@@ -54,10 +54,14 @@ MLP_CHUNK_LIVE = 4
 
 
 def block_internal_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, mlp_chunked: bool = False,
-                                    lean: bool = True) -> int:
+                                    lean: bool = True, fused: bool = False) -> int:
     """Bytes one block saves per token for its backward (module docstring); ``lean`` False:
     plain autograd's (``block_forward(lean=False)``), which keeps the first norm's output and,
-    unless the MLP is chunked, the second's, silu(gate) and the product too."""
+    unless the MLP is chunked, the second's, silu(gate) and the product too. ``fused``: the
+    elementwise passes compiled (``megaray.fused``): the compiler's SwiGLU saves the gate and
+    the up projection, which are saved anyway, and rebuilds silu(gate) in its backward, so a
+    plain block keeps one [tokens, intermediate] tensor fewer (measured on the H200: llama1b's
+    16 plain blocks at 64k tokens peaked 16 GiB under the eager count, BENCHMARKS.md session 19)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
@@ -66,7 +70,7 @@ def block_internal_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, mlp_chunk
     kv_saved = kv if SDPA_GQA or kv == q else q
     attn = s * (2 * q + 2 * kv_saved) + 4 * cfg.num_attention_heads   # q, k, v, output (= o_proj input), lse
     mlp = 0 if mlp_chunked else 2 * s * i       # gate and up
-    plain = 0 if lean else s * h + (0 if mlp_chunked else s * h + 2 * s * i)
+    plain = 0 if lean else s * h + (0 if mlp_chunked else s * h + (1 if fused else 2) * s * i)
     return norms + attn + mlp + plain
 
 
@@ -112,7 +116,8 @@ class StepShape:
         micro = t.micro_batch_size * t.seq_len
         chunked = micro > t.mlp_chunk_tokens
         per_token = block_internal_bytes_per_token(m, s, chunked)
-        plain = block_internal_bytes_per_token(m, s, chunked, lean=False)
+        # the GPU's passes are compiled unless worker.fuse_elementwise is off
+        plain = block_internal_bytes_per_token(m, s, chunked, lean=False, fused=cfg.worker.fuse_elementwise)
         block = units[1].numel if m.num_hidden_layers else 0
         return cls(m.num_hidden_layers, s, tokens, micro, units[0].numel, units[-1].numel, block,
                    s * tokens * m.hidden_size, per_token, plain, chunked)

@@ -3,6 +3,8 @@ worker's choices (kept blocks, offloaded inputs, the correction by measurement) 
 budgets, against hand arithmetic."""
 from __future__ import annotations
 
+import pytest
+
 from megaray import memory
 from megaray.config import ModelConfig
 from megaray.loader import load_config
@@ -58,6 +60,30 @@ def test_estimate_matches_what_autograd_saves():
     assert plain == block_internal_bytes_per_token(cfg, 2, lean=False)
 
 
+def test_estimate_matches_what_the_compiled_plain_block_saves():
+    """With the elementwise passes compiled (torch.compile's CPU code generation here, Triton on
+    the GPU: the same graphs, cut for the backward by the same partitioner), plain autograd's
+    SwiGLU saves the gate and the up projection and rebuilds silu(gate) in its backward: one
+    [tokens, intermediate] tensor fewer than eagerly. The lean block saves what it says either
+    way."""
+    from megaray import fused
+
+    cfg = ModelConfig.from_shape("debug")
+    rope = 4 * cfg.head_dim * 2 / 2
+    eager = _saved_bytes_per_token(cfg, lean=False)
+    try:
+        fused.configure(devices=("cpu",))
+        compiled = _saved_bytes_per_token(cfg, lean=False)
+        lean = _saved_bytes_per_token(cfg, lean=True)
+        if not fused.active():
+            pytest.skip(f"torch.compile does not work on this machine: {fused.failure()}")
+    finally:
+        fused.configure()
+    assert eager - compiled == 2 * cfg.intermediate_size
+    assert compiled - rope == block_internal_bytes_per_token(cfg, 2, lean=False, fused=True)
+    assert lean - rope == block_internal_bytes_per_token(cfg, 2, fused=True) == block_internal_bytes_per_token(cfg, 2)
+
+
 def test_kept_blocks_and_offload_for_a_budget_by_hand():
     cfg = load_config("debug", ["model.shape=llama3b", "train.seq_len=2048", "train.micro_batch_size=4",
                                 "train.grad_accum=8", "train.compute_dtype=bfloat16"])
@@ -94,17 +120,25 @@ def test_adapt_keep_by_measurement():
 
 
 def test_blocks_keep_plain_activations_only_when_all_fit():
-    """llama3b at 64k tokens a step: kept plain blocks cost 2 x (2h + 2i) bytes a token more
-    than lean ones; the worker keeps plain blocks only when all 28 fit, nothing offloaded and
-    the MLP unchunked."""
+    """llama3b at 64k tokens a step: kept plain blocks cost 2 x (2h + i) bytes a token more
+    than lean ones with the compiled passes (2 x (2h + 2i) eagerly: silu(gate) too); the worker
+    keeps plain blocks only when all 28 fit, nothing offloaded and the MLP unchunked."""
     cfg = load_config("debug", ["model.shape=llama3b", "train.seq_len=2048", "train.micro_batch_size=4",
                                 "train.grad_accum=8", "train.compute_dtype=bfloat16"])
-    extra = 65536 * 2 * (2 * 3072 + 2 * 8192)       # per kept block
+    extra = 65536 * 2 * (2 * 3072 + 8192)           # per kept block
     lean_all = memory.gpu_total(cfg, keep=28)
     plain_all = memory.gpu_total(cfg, keep=28, lean=False)
     assert plain_all - lean_all == 28 * extra
     assert memory.gpu_items(cfg, keep=28, lean=False)["kept blocks (plain autograd's internals + weights, at the "
-                                                       "peak)"] == 28 * ((55400 + 45056) * 65536 + 2 * 100_669_440)
+                                                       "peak)"] == 28 * ((55400 + 28672) * 65536 + 2 * 100_669_440)
+    eager = load_config("debug", ["model.shape=llama3b", "train.seq_len=2048", "train.micro_batch_size=4",
+                                  "train.grad_accum=8", "train.compute_dtype=bfloat16",
+                                  "worker.fuse_elementwise=false"])
+    assert memory.gpu_items(eager, keep=28, lean=False)["kept blocks (plain autograd's internals + weights, at "
+                                                        "the peak)"] == 28 * ((55400 + 45056) * 65536 + 2 * 100_669_440)
+    # lean blocks save the same either way; the plain recomputation's workspace of one
+    # micro-batch (8192 tokens) holds silu(gate) too eagerly
+    assert memory.gpu_total(eager, keep=28) - lean_all == 8192 * 2 * 8192
     assert memory.kept_plain(cfg, plain_all) and not memory.kept_plain(cfg, plain_all - 1)
     assert not memory.kept_plain(cfg, plain_all, offload=1)
     chunked = load_config("debug", ["model.shape=llama3b", "train.seq_len=2048", "train.micro_batch_size=4",

@@ -32,7 +32,7 @@ same budget.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megaray.attention import SDPA_GQA, create_block_mask, packing_mask_bytes
 from megaray.config import ModelConfig, RunConfig
@@ -318,10 +318,16 @@ def kept_plain(cfg: RunConfig, gpu_bytes: int, offload: int = 0, cast_slab_bytes
     offloaded, the MLP not chunked). A plain block runs 3-6% faster than a lean one but saves
     about twice the bytes, while a kept lean block saves its whole recomputation (a third of
     its time): memory goes to keeping more blocks lean first, and only when all of them fit
-    plain do they keep plain autograd's activations."""
+    plain do they keep plain autograd's activations.
+
+    They must fit as the eager passes save them (silu(gate) too): the choice is made before
+    the first step compiles the passes, and a compile that fails runs them eagerly from then
+    on (``megaray.fused``), which must not take the step past the budget. The plan's figure
+    for kept plain blocks is what the compiled passes save."""
     sh = StepShape.of(cfg)
+    eager = replace(cfg, worker=replace(cfg.worker, fuse_elementwise=False))
     return (sh.layers > 0 and not sh.mlp_chunked and offload == 0
-            and gpu_total(cfg, sh.layers, 0, cast_slab_bytes, lean=False) <= gpu_bytes)
+            and gpu_total(eager, sh.layers, 0, cast_slab_bytes, lean=False) <= gpu_bytes)
 
 
 def keep_choice(cfg: RunConfig, gpu_bytes: int, offload: int = 0, cast_slab_bytes: int = 0) -> tuple[int, bool]:

@@ -133,11 +133,16 @@ class TrainingSession:
         self.cfg = cfg = resolve(cfg, machine, self.speeds)     # optim.grad_placement auto, decided for this GPU
         self.plan = check(cfg, machine)
         self._reserve()
+        started = time.perf_counter()
+        log.info("starting the parameter store: %.2f B parameters%s", cfg.model.num_params() / 1e9,
+                 f" from {cfg.model.from_path}" if cfg.model.from_path else ", initialised here")
         store = self._spawn(ParameterStore, "store", cfg, self.run_id, os.getpid())
         try:
             self.handles = get_or_raise(store.handles.remote(), self.actor_name("store"))
         except ActorFailure as e:
             raise ActorFailure(e.actor, f"failed to start: {e.message}") from None
+        log.info("parameter store ready in %.1f s; starting %d worker(s)", time.perf_counter() - started,
+                 cfg.worker.count)
         self.weights_report = ray.get(store.report.remote())
         if cfg.model.from_path:
             r = self.weights_report
@@ -153,6 +158,8 @@ class TrainingSession:
         # The workers first: a resident unit's initial values pass through the worker's host
         # memory (one parameter at a time) before the shards take and touch their moments.
         self._ready([r for r in self.actors if r.startswith("worker")])
+        log.info("worker(s) ready at %.1f s; starting %d optimizer shards", time.perf_counter() - started,
+                 o.num_shards)
         shards = []
         for k, pieces in enumerate(assign_pieces(len(self.handles.pieces), o.num_shards, o.shard_layout)):
             role = f"optimizer-{k}"
@@ -160,6 +167,7 @@ class TrainingSession:
                                       num_cpus=o.threads_per_shard))
         self._spawn_data()
         self._ready(list(self.actors))
+        log.info("optimizer shards and data ready at %.1f s", time.perf_counter() - started)
         if len(workers) > 1:
             addr, port = ray.get(workers[0].rendezvous.remote())
             self._call([w.join_group.remote(addr, port) for w in workers], "worker")

@@ -41,6 +41,19 @@ from megaray.errors import ActorFailure, CheckpointError, ConfigError, RunStoppe
 from megaray.loader import dump_config
 
 log = logging.getLogger("megaray")
+LOG_FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+
+
+def log_to_console() -> logging.Handler | None:
+    """megaray's log at INFO on stderr: the handler added, or None where the logger has a
+    console handler already."""
+    log.setLevel(logging.INFO)
+    if any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) for h in log.handlers):
+        return None
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(LOG_FORMAT)
+    log.addHandler(h)
+    return h
 
 TB_SCALARS = (*STEP_GAUGES, "data_wait_seconds")    # train/<name>: the names of metrics.jsonl and Prometheus
 
@@ -158,15 +171,9 @@ class RunLog:
 
     def _setup_logging(self) -> logging.Handler:
         root = logging.getLogger("megaray")
-        root.setLevel(logging.INFO)
-        fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-        if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
-                   for h in root.handlers):
-            h = logging.StreamHandler(sys.stderr)
-            h.setFormatter(fmt)
-            root.addHandler(h)
+        log_to_console()
         fh = logging.FileHandler(self.dir / "train.log")
-        fh.setFormatter(fmt)
+        fh.setFormatter(LOG_FORMAT)
         root.addHandler(fh)
         root.propagate = False
         return fh

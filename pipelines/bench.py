@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 
 
@@ -69,19 +68,15 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     import yaml
 
     from megaray.bench import bench, bench_config, optimizer_scaling, print_table
-    from megaray.runner import connect_ray
+    from megaray.runner import connect_ray, log, log_to_console
 
     extra = {kv.split("=", 1)[0]: yaml.safe_load(kv.split("=", 1)[1]) for kv in a.set}
     cfg = bench_config(a.shape, a.seq, a.tokens, a.micro_batch, a.steps, a.shards, a.threads, extra)
     started = connect_ray(cfg)
     # the start-up's progress (minutes for a 14B model: the store, the workers, the shards'
     # measured rate), as megaray train logs it
-    shown = logging.StreamHandler(sys.stderr)
-    shown.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-    logger = logging.getLogger("megaray")
-    logger.addHandler(shown)
-    level = logger.level
-    logger.setLevel(logging.INFO)
+    level = log.level
+    shown = log_to_console()
     try:
         r = bench(cfg, baseline=not a.no_baseline, checkpoint_dir=a.checkpoint_dir, documents=a.documents)
         if a.optimizer_scaling:
@@ -92,8 +87,9 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
                 f.write(json.dumps(r) + "\n")
         return 0
     finally:
-        logger.removeHandler(shown)
-        logger.setLevel(level)
+        if shown is not None:
+            log.removeHandler(shown)
+        log.setLevel(level)
         if started:
             ray.shutdown()
 

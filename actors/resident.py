@@ -35,10 +35,12 @@ from megaray.checkpoint import Checkpoint, PartWriter
 from megaray.config import RunConfig
 from megaray.hf.read import load_into
 from megaray.layout import cut_pieces
-from megaray.model import init_param
+from megaray.model import init_params
 from megaray.schedule import lr_at
 
 from .device import Device
+
+RESIDENT_INIT_THREADS = 4     # parameters initialised at once, each through a host temporary
 
 
 class ResidentUnits:
@@ -118,18 +120,17 @@ class ResidentUnits:
     # ------------------------------------------------------------------ weights, checkpoints
     def _initialize(self) -> None:
         """The resident masters as the store would have made them: from the Hugging Face
-        directory (``model.from``), else each parameter from its own seeded generator. One
-        parameter at a time passes through host memory (the largest: the embedding's, 2.9 GiB
-        for qwen14b), never a whole unit's or every resident unit's: the worker starts
-        before the shards take their moments, with the host nearly full (``session``)."""
+        directory (``model.from``), else each parameter from its own seeded generator. Only
+        parameters pass through host memory, never a whole unit's or every resident unit's: the
+        worker starts before the shards take their moments (``session``), and the seeded
+        path's RESIDENT_INIT_THREADS parameters at a time (qwen14b: the embedding's 2.9 GiB
+        and three blocks' largest, 0.3 GiB each) are a small part of what the moments leave."""
         units, m = self.h.units, self.cfg.model
         if m.from_path:
             load_into(units, self.master.__getitem__, m.from_path, only=set(self.units))
         else:
-            for u in self.units:
-                for s in units[u].params:
-                    self.master[u][s.offset:s.offset + s.numel].copy_(
-                        init_param(s, m, self.cfg.run.seed, torch.empty(s.numel, dtype=torch.float32)))
+            init_params([(s, self.master[u][s.offset:s.offset + s.numel]) for u in self.units
+                         for s in units[u].params], m, self.cfg.run.seed, threads=RESIDENT_INIT_THREADS)
         for u in self.units:
             self.compute[u].copy_(self.master[u])
 

@@ -18,6 +18,8 @@ This module imports neither Ray nor CUDA streams.
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,29 @@ def init_param(s, cfg: ModelConfig, seed: int, out: torch.Tensor) -> torch.Tenso
     else:
         out.fill_(1.0)
     return out
+
+
+def init_params(jobs: list[tuple], cfg: ModelConfig, seed: int, threads: int | None = None) -> None:
+    """``init_param`` for each ``(parameter, out)`` of ``jobs``, on ``threads`` threads (every
+    core this process may use by default; torch releases the GIL while it samples). Each
+    parameter has its own generator, so the values are ``init_unit``'s whatever the threads
+    and the order. An ``out`` that is not fp32 in host memory (a bf16 master, a GPU buffer)
+    takes the fp32 values through a temporary of the parameter's size: at most ``threads``
+    such temporaries exist at once."""
+    def one(job) -> None:
+        s, out = job
+        if out.dtype == torch.float32 and out.device.type == "cpu":
+            init_param(s, cfg, seed, out)
+        else:
+            out.copy_(init_param(s, cfg, seed, torch.empty(s.numel, dtype=torch.float32)))
+
+    threads = threads or len(os.sched_getaffinity(0))
+    jobs = sorted(jobs, key=lambda j: -j[0].numel)      # the largest first: the threads end together
+    with ThreadPoolExecutor(max(1, min(threads, len(jobs)))) as pool:
+        for _ in pool.map(one, jobs):
+            pass
+    if any(out.is_cuda for _, out in jobs):     # the threads' copies ran on their own default streams
+        torch.cuda.synchronize()
 
 
 def _stable_hash(text: str) -> int:

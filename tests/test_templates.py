@@ -142,6 +142,32 @@ def test_layout_puts_matrices_first_and_counts_params():
     assert cfg.num_params() == 256 * h + 2 * block + h + 256 * h
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_initialising_on_threads_gives_the_one_thread_values(dtype):
+    """The store initialises a parameter a thread: the values must not depend on the threads,
+    the order or the buffer's dtype (a bf16 master holds the fp32 values rounded)."""
+    cfg = _cfg(shape="debug", attention_bias=True, qk_norm=True, tie_word_embeddings=False)
+    units = build_layout(cfg)
+    expect = torch.cat([init_unit(u, cfg, seed=11) for u in units]).to(dtype)
+    for threads in (1, 5):
+        out = torch.full((sum(u.numel for u in units),), float("nan"), dtype=dtype)
+        at, jobs = 0, []
+        for u in units:
+            jobs += [(s, out[at + s.offset:at + s.offset + s.numel]) for s in u.params]
+            at += u.numel
+        model.init_params(jobs, cfg, seed=11, threads=threads)
+        assert torch.equal(out, expect)
+    # what the values are: N(0, initializer_range) for matrices, ones for norms, zeros for biases
+    for u in units:
+        flat = init_unit(u, cfg, seed=11)
+        for s in u.params:
+            v = flat[s.offset:s.offset + s.numel]
+            if s.decay:
+                assert abs(v.std().item() - cfg.initializer_range) < 0.1 * cfg.initializer_range, s.name
+            else:
+                assert torch.equal(v, torch.zeros_like(v) if s.name.endswith("bias") else torch.ones_like(v)), s.name
+
+
 def test_llama3_rope_scaling_matches_hand_computed_frequencies():
     cfg = _cfg(shape="llama1b")
     cos, sin = rope_tables(cfg, 2)

@@ -191,9 +191,11 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
         for i, b in enumerate(batches):
             ms.append(s.train_step(i, {"tokens": b, "doc": docs[i]} if docs else b))
             m = ms[-1]       # now, so that a long step measured is not lost to a later failure
+            kept = m.get("worker/kept_blocks", 0)
             print(f"megaray step {i}: {m['step_time_seconds']:.3f} s, {flops[i] / m['step_time_seconds'] / 1e12:.1f} "
                   f"TFLOP/s, loss {m['loss']:.4f}, GPU peak {m.get('worker/gpu_peak_bytes', 0) / 2**30:.2f} GiB, "
-                  f"GPU idle {100 * breakdown(m)['gpu_idle_fraction']:.1f}%", flush=True)
+                  f"GPU idle {100 * breakdown(m)['gpu_idle_fraction']:.1f}%; {kept} blocks kept, step "
+                  f"{predict(s.cfg, s.speeds, keep=kept)['step_s']:.3f} s predicted", flush=True)
         s.drain()
         out["resident_units"] = len(s.handles.resident)     # optim.placement, as the session resolved it
         out["ring_slabs"] = s.handles.ring_slabs            # optim.grad_ring_slabs, likewise (0: no ring)

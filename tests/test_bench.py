@@ -84,7 +84,8 @@ def test_bench_runs_megaray_and_baseline_from_the_same_weights(ray_cluster):
 
 def test_bench_with_gradients_in_host_memory_measures_both_links(ray_cluster, capsys):
     """The link measurement copies out into the host gradient buffer when there is no ring,
-    and each step is printed as it ends (a long step is not lost to a later failure)."""
+    and each step is printed as it ends, with its prediction (a long step is not lost to a
+    later failure)."""
     cfg = bench_config("debug", seq_len=16, tokens_per_step=96, micro_batch=2, steps=2, shards=2, threads=1,
                        extra={**SET, "optim.grad_placement": "host", "optim.grad_dtype": "bfloat16"})
     r = bench(cfg, baseline=False)
@@ -92,6 +93,9 @@ def test_bench_with_gradients_in_host_memory_measures_both_links(ray_cluster, ca
     printed = capsys.readouterr().out
     assert [f"megaray step {i}:" in printed for i in range(2)] == [True, True]
     assert f"loss {r['megaray']['losses'][1]:.4f}" in printed
+    # the plan's step for the blocks each step kept, printed with it (a run cut short keeps it)
+    pl = r["planner"]
+    assert f"{pl['kept_blocks']} blocks kept, step {pl['step_predicted_s']:.3f} s predicted" in printed
 
 
 def test_bench_with_packed_documents_runs_document_attention(ray_cluster, capsys):

@@ -356,6 +356,10 @@ class TrainingSession:
         self.drain()
         refs = ([self.actors["store"].save.remote(folder), self.actors["worker"].save_resident.remote(folder)]
                 + [a.save.remote(folder, k) for k, a in self._shards()])
+        # Every writer ends before a failure is raised: the caller then removes the folder,
+        # and a part still being written would recreate a file in it (a full disk left a
+        # step-*.tmp-* folder behind that way).
+        ray.wait(refs, num_returns=len(refs))
         parts: dict = {}
         for p in self._call(refs, "checkpoint"):
             parts.update(p)

@@ -156,7 +156,7 @@ class TrainingSession:
             relay = self._spawn(WeightRelay, "relay", cfg, self.handles, self.actor_name("relay"), max_concurrency=8)
         workers = self._spawn_workers(relay)
         # The workers first: a resident unit's initial values pass through the worker's host
-        # memory (one parameter at a time) before the shards take and touch their moments.
+        # memory (a few parameters at a time) before the shards take and touch their moments.
         self._ready([r for r in self.actors if r.startswith("worker")])
         log.info("worker(s) ready at %.1f s; starting %d optimizer shards", time.perf_counter() - started,
                  o.num_shards)

@@ -8,10 +8,8 @@ only before training starts (or when a checkpoint is loaded, between steps).
 """
 from __future__ import annotations
 
-import os
 import resource
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ from megaray.config import RunConfig
 from megaray.errors import CheckpointError
 from megaray.hf.read import load_into
 from megaray.layout import build_layout
+from megaray.machine import on_cores
 from megaray.model import init_params
 from megaray.shm import remove_run
 
@@ -60,9 +59,7 @@ class ParameterStore:
 
     def _sync_compute(self) -> None:
         if not self.h.aliased:      # a unit a thread, as the initialization
-            with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
-                for _ in pool.map(lambda u: self.buf.compute(u).copy_(self.buf.master(u)), self.h.streamed):
-                    pass
+            on_cores(lambda u: self.buf.compute(u).copy_(self.buf.master(u)), self.h.streamed)
 
     def handles(self) -> Handles:
         return self.h

@@ -12,6 +12,7 @@ measure, the CUDA libraries' file pages included).
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 RAY_KILL_THRESHOLD = 0.95        # Ray's default RAY_memory_usage_threshold
@@ -23,6 +24,15 @@ def ray_kill_fraction() -> float | None:
     if os.environ.get("RAY_memory_monitor_refresh_ms", "").strip() == "0":
         return None
     return float(os.environ.get("RAY_memory_usage_threshold", RAY_KILL_THRESHOLD))
+
+
+def on_cores(fn, items, threads: int | None = None) -> None:
+    """``fn(item)`` for every item, on ``threads`` threads (every core this process may use by
+    default): for torch work, which releases the GIL. The first error is raised once all end."""
+    items = list(items)
+    with ThreadPoolExecutor(max(1, min(threads or len(os.sched_getaffinity(0)), len(items)))) as pool:
+        for _ in pool.map(fn, items):
+            pass
 
 
 def meminfo() -> dict[str, int]:

@@ -18,8 +18,6 @@ This module imports neither Ray nor CUDA streams.
 from __future__ import annotations
 
 import math
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +26,7 @@ from megaray.attention import Packing, attention
 from megaray.config import ModelConfig
 from megaray.fused import fused
 from megaray.layout import UnitLayout
+from megaray.machine import on_cores
 
 IGNORE_INDEX = -100
 
@@ -67,11 +66,8 @@ def init_params(jobs: list[tuple], cfg: ModelConfig, seed: int, threads: int | N
         else:
             out.copy_(init_param(s, cfg, seed, torch.empty(s.numel, dtype=torch.float32)))
 
-    threads = threads or len(os.sched_getaffinity(0))
     jobs = sorted(jobs, key=lambda j: -j[0].numel)      # the largest first: the threads end together
-    with ThreadPoolExecutor(max(1, min(threads, len(jobs)))) as pool:
-        for _ in pool.map(one, jobs):
-            pass
+    on_cores(one, jobs, threads)
     if any(out.is_cuda for _, out in jobs):     # the threads' copies ran on their own default streams
         torch.cuda.synchronize()
 

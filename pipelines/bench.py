@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     extra = {kv.split("=", 1)[0]: yaml.safe_load(kv.split("=", 1)[1]) for kv in a.set}
     cfg = bench_config(a.shape, a.seq, a.tokens, a.micro_batch, a.steps, a.shards, a.threads, extra)
     started = connect_ray(cfg)
-    # the start-up's progress (minutes for a 14B model: the store, the workers, the shards'
-    # measured rate), as megaray train logs it
+    # the start-up's progress (the shards' measured rate, the store, the workers, the shards),
+    # as megaray train logs it
     level = log.level
     shown = log_to_console()
     try:

@@ -127,7 +127,8 @@ class ResidentUnits:
         and three blocks' largest, 0.3 GiB each) are a small part of what the moments leave."""
         units, m = self.h.units, self.cfg.model
         if m.from_path:
-            load_into(units, self.master.__getitem__, m.from_path, only=set(self.units))
+            load_into(units, self.master.__getitem__, m.from_path, only=set(self.units),
+                      threads=RESIDENT_INIT_THREADS)
         else:
             init_params([(s, self.master[u][s.offset:s.offset + s.numel]) for u in self.units
                          for s in units[u].params], m, self.cfg.run.seed, threads=RESIDENT_INIT_THREADS)

@@ -243,3 +243,29 @@ def test_resident_units_load_from_the_model_directory(ray_cluster, tmp_path):
     assert set(state) <= set(want)
     for k, v in state.items():
         np.testing.assert_array_equal(v, want[k].numpy(), err_msg=k)
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_loading_on_threads_gives_the_files_values(tmp_path, threads):
+    """``load_into`` reads a tensor a thread: whatever the threads, every master region holds
+    its tensor of the (sharded, bf16) files upcast, as transformers' own model has it, and the
+    report counts what was read."""
+    from megaray.hf.read import load_into
+    from megaray.layout import build_layout
+
+    path, ref = make_hf(tmp_path, "qwen2", dtype=torch.bfloat16)
+    sharded = tmp_path / "sharded"
+    transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.bfloat16).save_pretrained(
+        sharded, max_shard_size="20KB")
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    units = build_layout(_cfg(sharded).model)
+    masters = {u.index: torch.full((u.numel,), float("nan")) for u in units}
+    report = load_into(units, masters.__getitem__, sharded, threads=threads)
+    want = ref.state_dict()
+    for u in units:
+        for s in u.params:
+            got = masters[u.index][s.offset:s.offset + s.numel].view(s.shape)
+            assert torch.equal(got, want[s.name]), s.name
+    assert report["tensors"] == sum(len(u.params) for u in units)
+    assert report["source_dtypes"] == ["bfloat16"]
+    assert report["source_bytes"] == 2 * sum(u.numel for u in units)

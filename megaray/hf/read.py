@@ -1,6 +1,6 @@
 """Reading a Hugging Face model directory: config.json into model keys, safetensors into masters.
 
-Loading is a copy per tensor, upcast to the master's dtype, one tensor in memory at a time:
+Loading is a copy per tensor, upcast to the master's dtype, a tensor a thread on every core:
 safetensors files are memory-mapped and read tensor by tensor, never whole. Anything the
 templates do not implement (another architecture, an MLP bias, a sliding window shorter than
 the sequence, another rope type) is refused with the key named.
@@ -15,6 +15,7 @@ import torch
 
 from megaray.errors import ConfigError, ModelFileError
 from megaray.hf import ARCHITECTURES
+from megaray.machine import on_cores
 
 IGNORED_TENSORS = ("rotary_emb.inv_freq",)
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -149,21 +150,31 @@ def verify_source(units, path: str | os.PathLike) -> SafetensorsSource:
     return src
 
 
-def load_into(units, master_view, path: str | os.PathLike, only=None) -> dict:
-    """Copy every tensor of a model directory into the fp32 master regions, upcasting (only
-    the units whose indices are in ``only``, when given; the whole directory is checked).
+def load_into(units, master_view, path: str | os.PathLike, only=None, threads: int | None = None) -> dict:
+    """Copy every tensor of a model directory into the master regions, upcasting (only the
+    units whose indices are in ``only``, when given; the whole directory is checked).
 
-    ``master_view(u)`` returns unit u's flat fp32 tensor. Returns a small report.
+    ``master_view(u)`` returns unit u's flat master tensor. A tensor a thread on ``threads``
+    threads (every core by default): safetensors hands out views of its memory map, so a
+    thread's copy is where the file is read and upcast and the master's pages first touched,
+    all outside the GIL. Returns a small report.
     """
     src = verify_source(units, path)
-    wanted = {s.name: (u, s) for u in units for s in u.params if only is None or u.index in only}
-    dtypes, nbytes = set(), 0
-    for name, (u, s) in wanted.items():
+    jobs = sorted(((s.name, u, s) for u in units for s in u.params if only is None or u.index in only),
+                  key=lambda j: -j[2].numel)          # the largest first: the threads end together
+    read = []                                          # (dtype, bytes) per tensor; append is atomic
+
+    def one(job) -> None:
+        name, u, s = job
         t = src.get(name)
         if tuple(t.shape) != s.shape:
             raise ModelFileError(f"{path}: tensor {name} has shape {tuple(t.shape)}, config.json implies {s.shape}")
-        dtypes.add(str(t.dtype).replace("torch.", ""))
-        nbytes += t.numel() * t.element_size()
-        master_view(u.index)[s.offset:s.offset + s.numel].copy_(t.reshape(-1))
-        del t
-    return {"tensors": len(wanted), "source_bytes": nbytes, "source_dtypes": sorted(dtypes)}
+        out = master_view(u.index)[s.offset:s.offset + s.numel]
+        out.copy_(t.reshape(-1))
+        read.append((str(t.dtype).replace("torch.", ""), t.numel() * t.element_size()))
+
+    on_cores(one, jobs, threads)
+    if jobs and master_view(jobs[0][1].index).is_cuda:
+        torch.cuda.synchronize()                       # the threads' copies to resident masters
+    return {"tensors": len(jobs), "source_bytes": sum(b for _, b in read),
+            "source_dtypes": sorted({d for d, _ in read})}

@@ -35,7 +35,7 @@ class ParameterStore:
         t0 = time.perf_counter()
         # streamed units only: a resident unit's state is the worker's, from the same source
         if cfg.model.from_path:
-            # Tensor by tensor from memory-mapped safetensors: never the whole model twice.
+            # A tensor a thread from memory-mapped safetensors: never the whole model twice.
             self.load_report = load_into(units, self.buf.master, cfg.model.from_path, only=set(self.h.streamed))
         else:
             # A parameter a thread, every core: nothing else runs before the store is ready,

@@ -166,6 +166,28 @@ def test_pinned_host_buffers_are_exactly_their_size():
     assert not t.is_pinned()
 
 
+def test_loading_into_gpu_masters_on_threads(tmp_path):
+    """Resident units load from the model directory on several threads straight into fp32
+    masters on the GPU (bf16 files, copied and upcast by each thread): every region equals its
+    tensor of the files, upcast on the CPU, once load_into returns."""
+    from safetensors.torch import save_file
+
+    from megaray.config import ModelConfig
+    from megaray.hf.read import load_into
+    from megaray.layout import build_layout
+
+    units = build_layout(ModelConfig.from_shape("debug", tie_word_embeddings=False))
+    torch.manual_seed(0)
+    tensors = {s.name: torch.randn(s.shape).to(torch.bfloat16) for u in units for s in u.params}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    masters = {u.index: torch.full((u.numel,), float("nan"), device="cuda") for u in units}
+    load_into(units, masters.__getitem__, tmp_path, threads=4)
+    for u in units:
+        got = masters[u.index].cpu()
+        for s in u.params:
+            assert torch.equal(got[s.offset:s.offset + s.numel].view(s.shape), tensors[s.name].float()), s.name
+
+
 @pytest.mark.parametrize("grads", ["device", "host"])
 def test_resident_units_on_the_gpu_equal_streamed_ones(gpu_ray, grads):
     """optim.placement 2 on the GPU (the embedding and block 0; torch's fused AdamW on the

@@ -59,8 +59,8 @@ class ParameterStore:
 
     def _sync_compute(self) -> None:
         if not self.h.aliased:      # a unit a thread, the largest (embedding, head) first
-            on_cores(lambda u: self.buf.compute(u).copy_(self.buf.master(u)),
-                     sorted(self.h.streamed, key=lambda u: -self.h.units[u].numel))
+            on_cores(lambda u: self.buf.compute(u).copy_(self.buf.master(u)), self.h.streamed,
+                     size=lambda u: self.h.units[u].numel)
 
     def handles(self) -> Handles:
         return self.h

@@ -66,8 +66,7 @@ def init_params(jobs: list[tuple], cfg: ModelConfig, seed: int, threads: int | N
         else:
             out.copy_(init_param(s, cfg, seed, torch.empty(s.numel, dtype=torch.float32)))
 
-    jobs = sorted(jobs, key=lambda j: -j[0].numel)      # the largest first: the threads end together
-    on_cores(one, jobs, threads)
+    on_cores(one, jobs, threads, size=lambda j: j[0].numel)
     if any(out.is_cuda for _, out in jobs):     # the threads' copies ran on their own default streams
         torch.cuda.synchronize()
 

@@ -160,19 +160,16 @@ def load_into(units, master_view, path: str | os.PathLike, only=None, threads: i
     all outside the GIL. Returns a small report.
     """
     src = verify_source(units, path)
-    jobs = sorted(((u, s) for u in units for s in u.params if only is None or u.index in only),
-                  key=lambda j: -j[1].numel)          # the largest first: the threads end together
+    jobs = [(u, s) for u in units for s in u.params if only is None or u.index in only]
     read = []                                          # (dtype, bytes) per tensor; append is atomic
 
     def one(job) -> None:
         u, s = job
-        t = src.get(s.name)
-        if tuple(t.shape) != s.shape:
-            raise ModelFileError(f"{path}: tensor {s.name} has shape {tuple(t.shape)}, config.json implies {s.shape}")
+        t = src.get(s.name)                            # its shape checked by verify_source
         master_view(u.index)[s.offset:s.offset + s.numel].copy_(t.reshape(-1))
         read.append((str(t.dtype).replace("torch.", ""), t.numel() * t.element_size()))
 
-    on_cores(one, jobs, threads)
+    on_cores(one, jobs, threads, size=lambda j: j[1].numel)
     if jobs and master_view(jobs[0][0].index).is_cuda:
         torch.cuda.synchronize()                       # the threads' copies to resident masters
     return {"tensors": len(jobs), "source_bytes": sum(b for _, b in read),

@@ -18,9 +18,13 @@ gradient slab size: each reader gathers the ranges it needs from whichever parts
 
 A checkpoint is written into ``step-XXXXXXXX.tmp-<pid>`` and renamed into place only after
 its manifest is on disk, so a crash or a full disk at any moment leaves the previous
-checkpoints untouched and no half checkpoint that looks valid. Reading verifies every byte it
-uses against its block's CRC32 (and every part's size up front) and raises
-``CheckpointError`` naming the part; the driver then falls back to the previous checkpoint.
+checkpoints untouched and no half checkpoint that looks valid. One that replaces a checkpoint
+of the same step (a run that fell back past a corrupt one writes that step again) renames the
+old one aside to ``step-XXXXXXXX.old-<pid>`` and removes it only once the new one is in
+place; the next run to open the folder puts back an aside whose writer died (``recover``).
+Reading verifies every byte it uses against its block's CRC32 (and every part's size up
+front) and raises ``CheckpointError`` naming the part; the driver then falls back to the
+previous checkpoint.
 
 Data sampling is a pure function of (seed, stream position) and training draws no other
 random numbers the checkpoint does not hold, so trainer.json's position is the whole state.
@@ -30,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import time
 import zlib
@@ -226,44 +231,71 @@ def tmp_dir(root: Path, step: int) -> Path:
 
 
 def commit(tmp: Path, final: Path, step: int, parts: dict, meta: dict) -> Path:
-    """Write the manifest last, then make the checkpoint visible by renaming its folder."""
+    """Write the manifest last, then make the checkpoint visible by renaming its folder; one
+    of the same step already there is renamed aside first and removed last, so a crash at any
+    point leaves one of the two whole (``recover``)."""
     manifest = {"format": FORMAT, "step": step, "time": time.time(), **meta, "parts": parts}
     p = tmp / MANIFEST
     with open(p, "w") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+    aside = final.with_name(f"{final.name}.old-{os.getpid()}")
     if final.exists():
-        shutil.rmtree(final)
+        os.rename(final, aside)           # never deleted before the new one is in place
     os.rename(tmp, final)
-    fd = os.open(final.parent, os.O_RDONLY)
+    _fsync_dir(final.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+    return final
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-    return final
+
+
+_STEP = re.compile(r"step-\d{8}")
+_LEFT = re.compile(r"(step-\d{8})\.(tmp|old)-(\d+)")
+
+
+def recover(root: Path) -> list[Path]:
+    """Tidy what dead writers left in a checkpoint folder (the caller holds its lock, so no
+    live run writes there): their unfinished ``step-N.tmp-<pid>`` folders go, and a checkpoint
+    one renamed aside to replace it (``commit``), ``step-N.old-<pid>``, becomes ``step-N``
+    again where no ``step-N`` is (where one is, the new one made it and the aside goes).
+    Returns the checkpoints put back."""
+    back = []
+    for p in sorted(Path(root).glob("step-*")):
+        m = _LEFT.fullmatch(p.name)
+        if m is None or int(m[3]) == os.getpid() or _alive(int(m[3])):
+            continue
+        final = p.with_name(m[1])
+        if m[2] == "old" and not final.exists():
+            os.rename(p, final)
+            back.append(final)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+    return back
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
-    """Checkpoint folders with a manifest, newest first (temporary folders excluded)."""
+    """Checkpoint folders with a manifest, newest first (temporary and set-aside folders excluded)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    out = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and ".tmp" not in p.name
-           and (p / MANIFEST).is_file()]
+    out = [p for p in root.iterdir() if p.is_dir() and _STEP.fullmatch(p.name) and (p / MANIFEST).is_file()]
     return sorted(out, key=lambda p: p.name, reverse=True)
 
 
 def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` complete checkpoints, and stale temporary folders."""
+    """Delete all but the newest ``keep`` complete checkpoints."""
     removed = []
     for p in complete_checkpoints(root)[keep:]:
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
-    for p in Path(root).glob("step-*.tmp-*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
     return removed
 
 
@@ -304,7 +336,8 @@ class Checkpointer:
 
     Opening takes the folder's lock (another live run in it is refused) and checks its
     ``lineage.json`` against this run's model (a different model is refused, naming the keys
-    that differ), before any actor starts; pruning only ever touches this folder."""
+    that differ), before any actor starts, then puts back what a dead run was replacing
+    (``recover``); pruning only ever touches this folder."""
 
     def __init__(self, cfg, run_id: str, log):
         import fcntl
@@ -329,6 +362,8 @@ class Checkpointer:
         self._lock.write(f"run {run_id}, pid {os.getpid()}\n")
         self._lock.flush()
         self._check_lineage()
+        for back in recover(self.root):
+            log.warning("put back %s: the run that was replacing it died before its new one was in place", back)
         self.last_good: Path | None = None
         self.failed: list[str] = []
 

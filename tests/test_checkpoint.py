@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -212,6 +213,45 @@ def test_corrupt_or_incomplete_checkpoint_falls_back_to_the_previous(ray_cluster
     with pytest.raises(CheckpointError, match="master.bin"):
         train(_cfg(tmp_path, f"checkpoint.resume={newest}"))
     assert shm_files() == []
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def test_a_checkpoint_being_replaced_is_never_lost(reference_run, tmp_path):
+    """A run that writes a step its folder already holds renames the old checkpoint aside and
+    removes it only once the new one is in place; a crash between the two leaves the aside,
+    which the next run puts back. A run resumed at its last step trains and writes nothing."""
+    _, ref_losses, ref_ckpt = reference_run
+    root = tmp_path / "checkpoints" / "debug"
+    shutil.copytree(ref_ckpt.parent, root, ignore=shutil.ignore_patterns(".lock"))
+    step6 = root / ref_ckpt.name
+    manifest = (step6 / "manifest.json").read_bytes()
+    # the moment between commit's two renames: the old one aside, the new one (here its master
+    # altered, so taking it would show) still temporary, and the writer dead
+    pid = _dead_pid()
+    shutil.copytree(step6, root / f"{step6.name}.tmp-{pid}")
+    data = bytearray((root / f"{step6.name}.tmp-{pid}" / "master.bin").read_bytes())
+    data[100] ^= 0xFF
+    (root / f"{step6.name}.tmp-{pid}" / "master.bin").write_bytes(bytes(data))
+    step6.rename(root / f"{step6.name}.old-{pid}")
+    s = train(_cfg(tmp_path, "train.steps=6"))
+    assert "put back" in (Path(s["run_dir"]) / "train.log").read_text()
+    assert s["first_step"] == 6 and s["checkpoint"] == str(step6)
+    assert (step6 / "manifest.json").read_bytes() == manifest          # loaded, not written again
+    assert _master(step6) == _master(ref_ckpt)
+    assert sorted(p.name for p in root.iterdir()) == [".lock", "lineage.json", step6.name]
+    # a real replacement: step 6 corrupt, so the run starts over and writes step 6 anew
+    data = bytearray(_master(step6))
+    data[100] ^= 0xFF
+    (step6 / "master.bin").write_bytes(bytes(data))
+    s = train(_cfg(tmp_path, "train.steps=6"))
+    assert s["first_step"] == 0 and _losses(s) == ref_losses
+    assert _master(step6) == _master(ref_ckpt) and Checkpoint(step6).manifest["run_id"] == s["run_id"]
+    assert sorted(p.name for p in root.iterdir()) == [".lock", "lineage.json", step6.name]
 
 
 def test_full_disk_keeps_the_previous_checkpoint_and_fails_the_run(ray_cluster, tmp_path):

@@ -361,11 +361,28 @@ class Checkpointer:
         self._lock.truncate()
         self._lock.write(f"run {run_id}, pid {os.getpid()}\n")
         self._lock.flush()
-        self._check_lineage()
-        for back in recover(self.root):
-            log.warning("put back %s: the run that was replacing it died before its new one was in place", back)
+        try:
+            self._check_lineage()
+            for back in recover(self.root):
+                log.warning("put back %s: the run that was replacing it died before its new one was in place", back)
+            self._check_branch()
+        except BaseException:
+            self._lock.close()                # refused: the folder is free again at once
+            raise
         self.last_good: Path | None = None
         self.failed: list[str] = []
+
+    def _check_branch(self) -> None:
+        """A run resumed from a checkpoint of its own folder older than the folder's newest would
+        write over the later ones (another run's): refused, before any actor starts."""
+        how = self.cfg.checkpoint.resume
+        if how in (None, "auto") or Path(how).resolve().parent != self.root.resolve():
+            return
+        newer = [p.name for p in complete_checkpoints(self.root) if p.name > Path(how).resolve().name]
+        if newer:
+            raise ConfigError("checkpoint.resume", f"{how} is older than {', '.join(sorted(newer))} in the same "
+                              f"folder ({self.root}), which this run would write over; set checkpoint.dir to "
+                              "another folder to go on from there")
 
     def _check_lineage(self) -> None:
         want = lineage_of(self.cfg)

@@ -4,6 +4,7 @@ disk afterwards. Disks that fill up or refuse writes are real small tmpfs mounts
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -60,6 +61,22 @@ def test_a_checkpoint_folder_of_another_model_is_refused_and_left_alone(ray_clus
     s = train(_cfg(tmp_path, "run.name=x", "model.num_hidden_layers=3", "checkpoint.resume=null"))
     assert Path(s["checkpoint"]).parent.name == s["run_id"] and _tree(folder) == before
     assert shm_files() == []
+
+
+def test_resuming_from_an_older_checkpoint_of_the_same_folder_is_refused(ray_cluster, tmp_path):
+    """Going on from step 2 in the folder that holds step 4 would write over it."""
+    train(_cfg(tmp_path, "run.name=x"))
+    folder = tmp_path / "checkpoints" / "x"
+    before = _tree(folder)
+    with pytest.raises(ConfigError, match=r"checkpoint.resume.*step-00000002 is older than step-00000004 in the "
+                                          r"same folder"):
+        train(_cfg(tmp_path, f"checkpoint.dir={folder}", f"checkpoint.resume={folder / 'step-00000002'}"))
+    assert _tree(folder) == before
+    with open(folder / ".lock") as f:                           # the refused run holds the folder no more
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    # from a folder of its own, it goes on from step 2
+    s = train(_cfg(tmp_path, f"checkpoint.resume={folder / 'step-00000002'}"))
+    assert s["first_step"] == 2 and Path(s["checkpoint"]).parent.name == s["run_id"] and _tree(folder) == before
 
 
 # 2 -------------------------------------------------------------------------------------------

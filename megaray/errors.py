@@ -60,6 +60,11 @@ class CheckpointError(MegarayError):
     """A checkpoint is missing, incomplete or corrupt; the message names the part."""
 
 
+class ExportError(MegarayError):
+    """``megaray export`` cannot write its output folder: it exists and holds files (nothing
+    there is touched), or writing failed (nothing is left); the message names the folder."""
+
+
 class TrainingDiverged(MegarayError, RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient (train.max_skipped_steps)."""
 

@@ -1,10 +1,12 @@
 """Export entrypoint: ``megaray export RUN_OR_CHECKPOINT OUT_DIR`` writes a Hugging Face
 model directory (config.json, sharded safetensors with index, and the tokenizer and
-generation files of the model it started from) that transformers loads."""
+generation files of the model it started from) that transformers loads. OUT_DIR must be new
+or empty; each shard is reported as it is written."""
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 
 def main(argv: list[str] | None = None, prog: str = "megaray export") -> int:
@@ -17,8 +19,14 @@ def main(argv: list[str] | None = None, prog: str = "megaray export") -> int:
     from megaray.errors import MegarayError
     from megaray.hf.export import export_checkpoint
 
+    t0 = time.perf_counter()
+
+    def shard(i: int, n: int, name: str, size: int) -> None:
+        print(f"megaray: export: shard {i}/{n} {name} ({size / 1e9:.2f} GB) at {time.perf_counter() - t0:.1f} s",
+              file=sys.stderr, flush=True)
+
     try:
-        ck, written = export_checkpoint(a.source, a.out_dir, a.dtype, int(a.shard_gb * 2**30))
+        ck, written = export_checkpoint(a.source, a.out_dir, a.dtype, int(a.shard_gb * 2**30), shard)
     except MegarayError as e:
         print(f"megaray: export failed: {e}", file=sys.stderr)
         return 1

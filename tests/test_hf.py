@@ -199,8 +199,9 @@ def test_broken_model_directories_fail_clearly(ray_cluster, tmp_path):
     assert shm_files() == []
 
 
-def test_model_tokenizer_feeds_the_data(ray_cluster, tmp_path):
-    """With a tokenizer.json beside the weights, the corpus is that tokenizer's ids."""
+def test_model_tokenizer_feeds_the_data(ray_cluster, tmp_path, capsys):
+    """With a tokenizer.json beside the weights, the corpus is that tokenizer's ids; `megaray
+    export` carries the tokenizer along, into a new or empty folder only."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     from megaray.data import ByteCorpus, model_tokenizer, stdlib_files
@@ -223,10 +224,20 @@ def test_model_tokenizer_feeds_the_data(ray_cluster, tmp_path):
     s = train(cfg)
     assert s["status"] == "succeeded"
     assert "tokenizer.json tokens" in (Path(s["run_dir"]) / "train.log").read_text()
-    # and the export carries the tokenizer along
+    # and the export (the command, into an empty folder) carries the tokenizer along
+    from megaray.pipelines.export import main as export_main
+
     out = tmp_path / "export"
-    export_checkpoint(s["checkpoint"], out)
+    out.mkdir()
+    assert export_main([s["checkpoint"], str(out)]) == 0
+    assert "shard 1/1 model.safetensors" in capsys.readouterr().err
     assert (out / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == []
+    # a folder with files in it, here the model the run started from, is refused and untouched
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    assert export_main([s["checkpoint"], str(path)]) == 1
+    assert f"{path} already exists and is not an empty folder" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
 
 
 def test_resident_units_load_from_the_model_directory(ray_cluster, tmp_path):

@@ -15,7 +15,7 @@ import torch
 
 from megaray.checkpoint import Checkpoint, complete_checkpoints
 from megaray.config import ModelConfig
-from megaray.errors import CheckpointError
+from megaray.errors import CheckpointError, ExportError
 from megaray.hf import ARCHITECTURES, SIDE_FILES
 from megaray.layout import build_layout
 
@@ -46,11 +46,12 @@ def hf_config_dict(model, architecture: str | None, source: dict | None = None) 
 
 def write_hf_dir(out_dir: str | os.PathLike, model, specs: list[tuple[str, int]], get,
                  source_dir: str | None = None, dtype: torch.dtype = torch.float32,
-                 shard_bytes: int = 5 * 2**30) -> list[str]:
+                 shard_bytes: int = 5 * 2**30, on_shard=None) -> list[str]:
     """Write config.json, sharded safetensors with their index, and the source's side files.
 
     ``specs`` lists (name, numel) in layout order and ``get(name)`` returns a tensor; shards
     are planned first and written one at a time, so at most one shard is in memory.
+    ``on_shard(i, n, file name, bytes)`` is called after each shard is written.
     """
     from safetensors.torch import save_file
 
@@ -76,6 +77,8 @@ def write_hf_dir(out_dir: str | os.PathLike, model, specs: list[tuple[str, int]]
         save_file({k: get(k).to(dtype).contiguous() for k in names}, str(out / fname), metadata={"format": "pt"})
         weight_map.update({k: fname for k in names})
         written.append(fname)
+        if on_shard is not None:
+            on_shard(i + 1, n, fname, (out / fname).stat().st_size)
     if n > 1:
         total = sum(numel for _, numel in specs) * itemsize
         (out / "model.safetensors.index.json").write_text(json.dumps(
@@ -111,8 +114,15 @@ def find_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "float32",
-                      shard_bytes: int = 5 * 2**30) -> tuple[Path, list[str]]:
-    """Write a checkpoint's weights as a Hugging Face model directory."""
+                      shard_bytes: int = 5 * 2**30, on_shard=None) -> tuple[Path, list[str]]:
+    """Write a checkpoint's weights as a Hugging Face model directory, ``out_dir``: a new
+    folder, or an empty one. Anything else there (another model, an earlier export) is
+    refused and left as it is. The files are written into ``<out_dir>.tmp-<pid>`` and the
+    folder renamed into place last, so a failed export leaves no half model that loads."""
+    out = Path(out_dir).absolute()
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+        raise ExportError(f"{out_dir} already exists and is not an empty folder; export writes a new folder "
+                          "and leaves that one as it is")
     ck = Checkpoint(find_checkpoint(path))
     model = ModelConfig(**ck.manifest["model"])
     where = {s.name: (u, s) for u in build_layout(model) for s in u.params}
@@ -124,6 +134,13 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         return out.float().view(s.shape)
 
     specs = [(name, s.numel) for name, (_, s) in where.items()]
-    written = write_hf_dir(out_dir, model, specs, get, model.from_path,
-                           {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype], shard_bytes)
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    try:
+        written = write_hf_dir(tmp, model, specs, get, model.from_path,
+                               {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype], shard_bytes, on_shard)
+        os.rename(tmp, out)                 # onto a missing or an empty folder
+    except OSError as e:
+        raise ExportError(f"writing {out_dir} failed ({e.strerror or e}); nothing was left there") from e
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return ck.path, written

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from megaray.errors import CheckpointError, ConfigError
+from megaray.shm import pid_alive
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -270,7 +271,7 @@ def recover(root: Path) -> list[Path]:
     back = []
     for p in sorted(Path(root).glob("step-*")):
         m = _LEFT.fullmatch(p.name)
-        if m is None or int(m[3]) == os.getpid() or _alive(int(m[3])):
+        if m is None or int(m[3]) == os.getpid() or pid_alive(int(m[3])):
             continue
         final = p.with_name(m[1])
         if m[2] == "old" and not final.exists():
@@ -297,16 +298,6 @@ def prune(root: Path, keep: int) -> list[Path]:
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
 
 
 # ----------------------------------------------------------------------------- the driver's side

@@ -55,7 +55,8 @@ def remove_run(shm_dir: str, run_id: str) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this id exists on this host (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -70,7 +71,7 @@ def remove_stale(shm_dir: str) -> list[str]:
     removed = []
     for p in glob.glob(os.path.join(shm_dir, f"{PREFIX}*")):
         parts = os.path.basename(p)[len(PREFIX):].split("_", 1)
-        if not parts[0].isdigit() or _alive(int(parts[0])):
+        if not parts[0].isdigit() or pid_alive(int(parts[0])):
             continue
         try:
             os.unlink(p)

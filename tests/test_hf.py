@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -229,6 +230,10 @@ def test_model_tokenizer_feeds_the_data(ray_cluster, tmp_path, capsys):
 
     out = tmp_path / "export"
     out.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f"export.tmp-{dead.pid}").mkdir()                # what a killed export leaves: removed
+    (tmp_path / f"export.tmp-{dead.pid}" / "config.json").write_text("{}")
     assert export_main([s["checkpoint"], str(out)]) == 0
     assert "shard 1/1 model.safetensors" in capsys.readouterr().err
     assert (out / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()

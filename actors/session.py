@@ -48,10 +48,11 @@ from .data import DataFeeder
 from .debug import shard_class, worker_class
 from .relay import WeightRelay
 from .scheduler import Scheduler
-from .store import ParameterStore
+from .store import ParameterStore, read_startup, startup_path
 
 log = logging.getLogger("megaray")
 NAMESPACE = "megaray"
+STARTUP_REPORT_S = 15.0       # between the store's progress lines while it starts
 
 
 def new_run_id(name: str) -> str:
@@ -138,7 +139,7 @@ class TrainingSession:
                  f" from {cfg.model.from_path}" if cfg.model.from_path else ", initialised here")
         store = self._spawn(ParameterStore, "store", cfg, self.run_id, os.getpid())
         try:
-            self.handles = get_or_raise(store.handles.remote(), self.actor_name("store"))
+            self.handles = get_or_raise(self._await_store(store.handles.remote(), started), self.actor_name("store"))
         except ActorFailure as e:
             raise ActorFailure(e.actor, f"failed to start: {e.message}") from None
         log.info("parameter store ready in %.1f s; starting %d worker(s)", time.perf_counter() - started,
@@ -183,6 +184,18 @@ class TrainingSession:
                  describe_placement(len(self.handles.resident)))
         if cfg.worker.stride > 1:
             log.info("%s", describe_input_stride(cfg.worker.stride))
+
+    def _await_store(self, ref, started: float):
+        """Wait for the store's constructor, logging how far its weights have come every
+        ``STARTUP_REPORT_S`` (a 14B model's take a minute or more); returns ``ref``."""
+        path = startup_path(self.cfg.cluster.shm_dir, os.getpid(), self.run_id)
+        how = "loaded" if self.cfg.model.from_path else "initialised"
+        while not ray.wait([ref], timeout=STARTUP_REPORT_S)[0]:
+            counts = read_startup(path)
+            if counts is not None and counts[1]:
+                log.info("parameter store: %.0f%% of %.2f B values %s at %.0f s", 100 * counts[0] / counts[1],
+                         counts[1] / 1e9, how, time.perf_counter() - started)
+        return ref
 
     def _ready(self, roles: list[str]) -> None:
         """Wait for these actors' constructors; an error names the actor."""

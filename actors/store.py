@@ -8,7 +8,10 @@ only before training starts (or when a checkpoint is loaded, between steps).
 """
 from __future__ import annotations
 
+import os
 import resource
+import struct
+import threading
 import time
 from pathlib import Path
 
@@ -22,7 +25,22 @@ from megaray.hf.read import load_into
 from megaray.layout import build_layout
 from megaray.machine import on_cores
 from megaray.model import init_params
-from megaray.shm import remove_run
+from megaray.shm import ShmFile, file_name, remove_run
+
+
+def startup_path(shm_dir: str, owner_pid: int, run_id: str) -> str:
+    """The store's start-up counter: two int64, values written so far and values in all."""
+    return os.path.join(shm_dir, file_name(owner_pid, run_id, "startup"))
+
+
+def read_startup(path: str) -> tuple[int, int] | None:
+    """(values written, values in all) of a store starting, or None before it has begun."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(16)
+    except FileNotFoundError:
+        return None
+    return struct.unpack("=qq", data) if len(data) == 16 else None
 
 
 class ParameterStore:
@@ -31,17 +49,27 @@ class ParameterStore:
         self.cfg = cfg
         units = build_layout(cfg.model)
         self.h = Handles.for_config(cfg, run_id, owner_pid, units)
+        # what the driver reads to show the initialisation's progress (it goes with the run's files)
+        self._startup = ShmFile(startup_path(cfg.cluster.shm_dir, owner_pid, run_id), 16, create=True)
+        counts, lock = self._startup.view(torch.int64, 0, 2), threading.Lock()
+        counts[1] = sum(units[u].numel for u in self.h.streamed)
+
+        def progress(values: int) -> None:
+            with lock:
+                counts[0] += values
+
         self.buf = RunBuffers(self.h, create=True)
         t0 = time.perf_counter()
         # streamed units only: a resident unit's state is the worker's, from the same source
         if cfg.model.from_path:
             # A tensor a thread from memory-mapped safetensors: never the whole model twice.
-            self.load_report = load_into(units, self.buf.master, cfg.model.from_path, only=set(self.h.streamed))
+            self.load_report = load_into(units, self.buf.master, cfg.model.from_path, only=set(self.h.streamed),
+                                         progress=progress)
         else:
             # A parameter a thread, every core: nothing else runs before the store is ready,
             # and one thread takes minutes for a 14B model (about 200 M values/s).
             init_params([(s, self.buf.master(u)[s.offset:s.offset + s.numel]) for u in self.h.streamed
-                         for s in units[u].params], cfg.model, cfg.run.seed)
+                         for s in units[u].params], cfg.model, cfg.run.seed, progress=progress)
             self.load_report = {"initialized_from_seed": cfg.run.seed}
         self._sync_compute()
         self.load_report.update(seconds=time.perf_counter() - t0,

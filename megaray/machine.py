@@ -26,13 +26,20 @@ def ray_kill_fraction() -> float | None:
     return float(os.environ.get("RAY_memory_usage_threshold", RAY_KILL_THRESHOLD))
 
 
-def on_cores(fn, items, threads: int | None = None, size=None) -> None:
+def on_cores(fn, items, threads: int | None = None, size=None, done=None) -> None:
     """``fn(item)`` for every item, on ``threads`` threads (every core this process may use by
     default): for torch work, which releases the GIL. With ``size(item)``, the largest items
-    start first, so the threads end together. The first error is raised once all end."""
+    start first, so the threads end together; ``done(item)``, when given, is called on the
+    item's thread once ``fn`` has returned. The first error is raised once all end."""
     items = sorted(items, key=lambda i: -size(i)) if size else list(items)
+
+    def one(item) -> None:
+        fn(item)
+        if done is not None:
+            done(item)
+
     with ThreadPoolExecutor(max(1, min(threads or len(os.sched_getaffinity(0)), len(items)))) as pool:
-        for _ in pool.map(fn, items):
+        for _ in pool.map(one, items):
             pass
 
 

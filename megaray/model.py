@@ -52,13 +52,14 @@ def init_param(s, cfg: ModelConfig, seed: int, out: torch.Tensor) -> torch.Tenso
     return out
 
 
-def init_params(jobs: list[tuple], cfg: ModelConfig, seed: int, threads: int | None = None) -> None:
+def init_params(jobs: list[tuple], cfg: ModelConfig, seed: int, threads: int | None = None,
+                progress=None) -> None:
     """``init_param`` for each ``(parameter, out)`` of ``jobs``, on ``threads`` threads (every
     core this process may use by default; torch releases the GIL while it samples). Each
     parameter has its own generator, so the values are ``init_unit``'s whatever the threads
     and the order. An ``out`` that is not fp32 in host memory (a bf16 master, a GPU buffer)
     takes the fp32 values through a temporary of the parameter's size: at most ``threads``
-    such temporaries exist at once."""
+    such temporaries exist at once. ``progress(values)`` is called as each parameter is done."""
     def one(job) -> None:
         s, out = job
         if out.dtype == torch.float32 and out.device.type == "cpu":
@@ -66,7 +67,8 @@ def init_params(jobs: list[tuple], cfg: ModelConfig, seed: int, threads: int | N
         else:
             out.copy_(init_param(s, cfg, seed, torch.empty(s.numel, dtype=torch.float32)))
 
-    on_cores(one, jobs, threads, size=lambda j: j[0].numel)
+    on_cores(one, jobs, threads, size=lambda j: j[0].numel,
+             done=None if progress is None else lambda j: progress(j[0].numel))
     if any(out.is_cuda for _, out in jobs):     # the threads' copies ran on their own default streams
         torch.cuda.synchronize()
 

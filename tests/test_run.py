@@ -117,3 +117,24 @@ def test_train_cli_runs_demo_in_a_fresh_process(tmp_path):
     (run_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("demo-")]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded"
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["dir"] == str(tmp_path)
+
+
+def test_the_store_shows_how_far_its_weights_have_come_while_it_starts(ray_cluster, monkeypatch, caplog):
+    """While the store initialises, the driver logs the share of the values written, read
+    from the store's counter in shared memory; the counter ends at the model's size."""
+    import logging
+    import re
+
+    from megaray.actors import session as session_mod
+    from megaray.actors.store import read_startup, startup_path
+
+    monkeypatch.setattr(session_mod, "STARTUP_REPORT_S", 0.01)
+    cfg = load_config("debug", ["model.hidden_size=1024", "model.intermediate_size=4096", "model.num_hidden_layers=4"])
+    n = cfg.model.num_params()
+    with caplog.at_level(logging.INFO, logger="megaray"), TrainingSession(cfg) as s:
+        assert read_startup(startup_path(cfg.cluster.shm_dir, os.getpid(), s.run_id)) == (n, n)
+    shares = [float(m[1]) for r in caplog.records
+              if (m := re.fullmatch(rf"parameter store: (\d+)% of {n / 1e9:.2f} B values initialised at \d+ s",
+                                    r.getMessage()))]
+    assert shares and shares == sorted(shares) and 0 <= shares[0] and shares[-1] <= 100
+    assert shm_files(s.run_id) == []

@@ -150,9 +150,11 @@ def verify_source(units, path: str | os.PathLike) -> SafetensorsSource:
     return src
 
 
-def load_into(units, master_view, path: str | os.PathLike, only=None, threads: int | None = None) -> dict:
+def load_into(units, master_view, path: str | os.PathLike, only=None, threads: int | None = None,
+              progress=None) -> dict:
     """Copy every tensor of a model directory into the master regions, upcasting (only the
-    units whose indices are in ``only``, when given; the whole directory is checked).
+    units whose indices are in ``only``, when given; the whole directory is checked);
+    ``progress(values)`` is called as each tensor is in.
 
     ``master_view(u)`` returns unit u's flat master tensor. A tensor a thread on ``threads``
     threads (every core by default): safetensors hands out views of its memory map, so a
@@ -169,7 +171,8 @@ def load_into(units, master_view, path: str | os.PathLike, only=None, threads: i
         master_view(u.index)[s.offset:s.offset + s.numel].copy_(t.reshape(-1))
         read.append((str(t.dtype).replace("torch.", ""), t.numel() * t.element_size()))
 
-    on_cores(one, jobs, threads, size=lambda j: j[1].numel)
+    on_cores(one, jobs, threads, size=lambda j: j[1].numel,
+             done=None if progress is None else lambda j: progress(j[1].numel))
     if jobs and master_view(jobs[0][0].index).is_cuda:
         torch.cuda.synchronize()                       # the threads' copies to resident masters
     return {"tensors": len(jobs), "source_bytes": sum(b for _, b in read),

@@ -367,9 +367,12 @@ class Checkpointer:
         """A run resumed from a checkpoint of its own folder older than the folder's newest would
         write over the later ones (another run's): refused, before any actor starts."""
         how = self.cfg.checkpoint.resume
-        if how in (None, "auto") or Path(how).resolve().parent != self.root.resolve():
+        if how in (None, "auto"):
             return
-        newer = [p.name for p in complete_checkpoints(self.root) if p.name > Path(how).resolve().name]
+        path = Path(how).resolve()
+        if path.parent != self.root.resolve() or not _STEP.fullmatch(path.name):
+            return
+        newer = [p.name for p in complete_checkpoints(self.root) if p.name > path.name]
         if newer:
             raise ConfigError("checkpoint.resume", f"{how} is older than {', '.join(sorted(newer))} in the same "
                               f"folder ({self.root}), which this run would write over; set checkpoint.dir to "

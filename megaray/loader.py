@@ -160,7 +160,7 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
     """``cfg`` with every path absolute (``~`` expanded), against the folder of the process
     that read the config: a path means what it meant where the user typed the command. The
     actors run elsewhere (a local Ray's workers start in an empty folder of their own:
-    ``megaray.runner.start_local_ray``), and the resolved ``config.yaml`` in the run
+    ``megaray.cluster.start_local_ray``), and the resolved ``config.yaml`` in the run
     directory says exactly where everything is. ``checkpoint.resume: auto`` is not a path."""
     changed: dict[str, dict[str, str]] = {}
     for section, key in PATHS:

@@ -1,16 +1,8 @@
-"""The driver side of a training run: Ray connection, run directory, and the training loop.
+"""The driver side of a training run: the training loop and its stop and restart rules.
 
 ``train(cfg)`` is what ``megaray train`` and the ``ray job submit`` entrypoint call. A run
 goes through ``Trainer``'s stages, setup -> resume -> loop -> finish, and leaves a run
-directory a person can read:
-
-    <run.dir>/<run id>/
-        config.yaml      the resolved config (every default filled in)
-        train.log        the log lines
-        metrics.jsonl    one JSON object per logged step
-        summary.json     status, first/last loss, held-out loss, wall time, tokens/s, where the
-                         checkpoints are (written at the start, rewritten at the end)
-        tb/              TensorBoard events: loss, lr, grad norm, tokens/s, step time, config
+directory a person can read (``megaray.runlog``); the Ray it runs on is ``megaray.cluster``'s.
 
 The loop asks each component whether it is due (``Checkpointer.due``, ``Evaluator.due``,
 ``RunLog.due``) rather than testing step numbers inline. Every actor failure goes through
@@ -21,200 +13,16 @@ actors from the last checkpoint.
 from __future__ import annotations
 
 import contextlib
-import json
-import logging
-import os
 import signal
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
-import ray
-
-from megaray.actors.metrics import STEP_GAUGES
 from megaray.actors.session import TrainingSession, new_run_id
 from megaray.checkpoint import Checkpointer
+from megaray.cluster import dashboard_url
 from megaray.config import RunConfig
-from megaray.errors import ActorFailure, CheckpointError, ConfigError, RunStopped, TrainingDiverged
-from megaray.loader import dump_config
-
-log = logging.getLogger("megaray")
-LOG_FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
-
-
-def log_to_console() -> logging.Handler | None:
-    """megaray's log at INFO on stderr: the handler added, or None where the logger has a
-    console handler already."""
-    log.setLevel(logging.INFO)
-    if any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) for h in log.handlers):
-        return None
-    h = logging.StreamHandler(sys.stderr)
-    h.setFormatter(LOG_FORMAT)
-    log.addHandler(h)
-    return h
-
-TB_SCALARS = (*STEP_GAUGES, "data_wait_seconds")    # train/<name>: the names of metrics.jsonl and Prometheus
-
-
-def connect_ray(cfg: RunConfig) -> bool:
-    """Attach to the configured or RAY_ADDRESS cluster, else start a local one.
-
-    Returns True when this call started Ray (so the caller shuts it down).
-    """
-    if ray.is_initialized():
-        return False
-    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, namespace="megaray", log_to_driver=True)
-        return True
-    needed = cfg.optim.num_shards * cfg.optim.threads_per_shard + cfg.worker.count * cfg.worker.threads
-    start_local_ray(num_cpus=cfg.cluster.num_cpus or max(needed, os.cpu_count() or 1),
-                    object_store_memory=cfg.cluster.object_store_mb * 2**20, namespace="megaray")
-    return True
-
-
-LOCAL_RAY_KILL_THRESHOLD = "0.98"
-
-
-def start_local_ray(**kwargs) -> None:
-    """``ray.init(address="local", **kwargs)`` from an empty folder of megaray's own.
-
-    A local Ray starts its workers in the driver's folder and puts that folder first on their
-    import path. Launched from a source checkout's root, the workers would import the
-    checkout's ``megaray/`` (which has no ``actors/``: setup maps it there from the top-level
-    folder) in place of the installed package, and every actor would fail to import. The
-    config's paths are absolute by then (``megaray.loader.absolute_paths``), so the workers'
-    folder means nothing to a run.
-
-    Ray's memory monitor kills a worker at ``RAY_memory_usage_threshold`` of the node's
-    memory (0.95 by default: 6.3 GiB of a 125 GiB host held back). megaray plans host memory
-    itself and refuses a run that does not fit (``megaray.plan.check``, against what the
-    monitor allows), so its own cluster starts at 0.98 unless the environment sets it."""
-    os.environ.setdefault("RAY_memory_usage_threshold", LOCAL_RAY_KILL_THRESHOLD)
-    here = os.getcwd()
-    folder = Path(tempfile.gettempdir()) / f"megaray-{os.getuid()}" / "ray-workers"
-    folder.mkdir(parents=True, exist_ok=True)
-    os.chdir(folder)
-    try:
-        ray.init(address="local", **kwargs)
-    finally:
-        os.chdir(here)
-
-
-def dashboard_url() -> str:
-    try:
-        from ray._private.worker import get_dashboard_url
-
-        url = get_dashboard_url()
-        return f"http://{url}" if url and not url.startswith("http") else (url or "not running")
-    except Exception:
-        return "not available"
-
-
-def _fmt_time(s: float) -> str:
-    s = int(s)
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-
-
-class Progress:
-    """A progress bar on a terminal; one plain log line per logged step otherwise."""
-
-    def __init__(self, total: int, tty: bool | None = None, start: int = 0):
-        self.total, self.start = total, start
-        self.tty = sys.stderr.isatty() if tty is None else tty
-        self.t0 = time.perf_counter()
-
-    def update(self, m: dict) -> None:
-        done = m["step"]
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / max(done - self.start, 1) * (self.total - done)
-        gnorm = f"gnorm {m['grad_norm']:.3f}" if not m["skipped"] else "skipped"
-        text = (f"step {done}/{self.total} loss {m['loss']:.4f} lr {m['learning_rate']:.2e} "
-                f"{gnorm} {m['tokens_per_second']:.0f} tok/s "
-                f"{m['step_time_seconds'] * 1000:.0f} ms/step eta {_fmt_time(eta)}")
-        if self.tty:
-            width = 24
-            fill = int(width * done / self.total)
-            sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {text}\x1b[K")
-            if done == self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-            for h in log.handlers:
-                if isinstance(h, logging.FileHandler):
-                    h.emit(logging.LogRecord("megaray", logging.INFO, "", 0, text, None, None))
-        else:
-            log.info(text)
-
-
-class RunLog:
-    """The run directory's files: config, log, metrics, TensorBoard and the summary."""
-
-    def __init__(self, cfg: RunConfig, run_id: str):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.cfg = cfg
-        self.dir = Path(cfg.run.dir) / run_id
-        try:
-            self.dir.mkdir(parents=True, exist_ok=False)
-            (self.dir / "config.yaml").write_text(dump_config(cfg))
-            self.metrics = open(self.dir / "metrics.jsonl", "w")
-        except OSError as e:
-            raise ConfigError("run.dir", f"cannot write the run directory {self.dir}: {e.strerror or e}") from None
-        self._handler = self._setup_logging()
-        self.tb = SummaryWriter(str(self.dir / "tb"))
-        self.tb.add_text("config", "```\n" + dump_config(cfg) + "\n```", 0)
-        self.write_errors = 0
-        self.summary: dict = {"run_id": run_id, "run_dir": str(self.dir), "status": "running"}
-        self.progress: Progress | None = None
-
-    def _setup_logging(self) -> logging.Handler:
-        root = logging.getLogger("megaray")
-        log_to_console()
-        fh = logging.FileHandler(self.dir / "train.log")
-        fh.setFormatter(LOG_FORMAT)
-        root.addHandler(fh)
-        root.propagate = False
-        return fh
-
-    def due(self, m: dict) -> bool:
-        """A log line and TensorBoard point for this step: the first, every train.log_every-th,
-        the last, and any skipped one."""
-        n = m["step"]
-        return n == 1 or n % self.cfg.train.log_every == 0 or n == self.cfg.train.steps or m["skipped"]
-
-    def record(self, m: dict) -> None:
-        self.progress.update(m)
-        try:
-            for key in TB_SCALARS:
-                self.tb.add_scalar(f"train/{key}", m[key], m["step"])
-            self.metrics.write(json.dumps(m) + "\n")
-            self.metrics.flush()
-        except OSError as e:          # a full or vanished run directory: the training goes on
-            self.write_errors += 1
-            if self.write_errors == 1:
-                log.error("cannot write to the run directory %s (%s); training goes on, checkpoints are "
-                          "written elsewhere as configured", self.dir, e.strerror or e)
-            self.summary["run_dir_write_errors"] = self.write_errors
-
-    def write_summary(self) -> None:
-        try:
-            tmp = self.dir / "summary.json.tmp"
-            tmp.write_text(json.dumps(self.summary, indent=2) + "\n")
-            os.replace(tmp, self.dir / "summary.json")
-        except OSError as e:
-            log.error("cannot write %s: %s", self.dir / "summary.json", e.strerror or e)
-
-    def close(self) -> None:
-        try:
-            self.tb.close()
-            self.metrics.close()
-        except OSError:
-            pass
-        self.write_summary()
-        logging.getLogger("megaray").removeHandler(self._handler)
-        self._handler.close()
+from megaray.errors import ActorFailure, CheckpointError, RunStopped, TrainingDiverged
+from megaray.runlog import Progress, RunLog, fmt_time, log
 
 
 class Evaluator:
@@ -460,7 +268,7 @@ class Trainer:
         if self.losses:
             held = f"held-out {eval_loss:.4f}" if eval_loss is not None else "no held-out loss"
             log.info("done: loss %.4f -> %.4f (mean of last %d), %s, %s",
-                     self.losses[0], s["last_loss"], len(tail), held, _fmt_time(wall))
+                     self.losses[0], s["last_loss"], len(tail), held, fmt_time(wall))
         return s
 
     def close(self) -> None:

@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     import yaml
 
     from megaray.bench import bench, bench_config, optimizer_scaling, print_table
-    from megaray.runner import connect_ray, log, log_to_console
+    from megaray.cluster import connect_ray
+    from megaray.runlog import log, log_to_console
 
     extra = {kv.split("=", 1)[0]: yaml.safe_load(kv.split("=", 1)[1]) for kv in a.set}
     cfg = bench_config(a.shape, a.seq, a.tokens, a.micro_batch, a.steps, a.shards, a.threads, extra)

@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None, prog: str = "megaray train") -> int:
     except ConfigError as e:
         print(f"megaray: config error: {e}", file=sys.stderr)
         return 2
-    from megaray.runner import connect_ray, interrupts_held, train
+    from megaray.cluster import connect_ray
+    from megaray.runner import interrupts_held, train
 
     started = connect_ray(cfg)
     try:

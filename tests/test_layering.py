@@ -16,7 +16,8 @@ CORE = {"megaray.errors", "megaray.shapes", "megaray.model_config", "megaray.con
         "megaray.hf", "megaray.hf.read", "megaray.hf.export", "megaray.shm", "megaray.protocol", "megaray.buffers",
         "megaray.memory", "megaray.cost", "megaray.machine", "megaray.plan", "megaray.schedule", "megaray.adamw",
         "megaray.checkpoint", "megaray.data", "megaray.dataset", "megaray.tokenizer"}
-ABOVE_CORE = ("ray", "megaray.actors", "megaray.runner", "megaray.bench", "megaray.pipelines", "megaray.cli")
+ABOVE_CORE = ("ray", "megaray.actors", "megaray.runner", "megaray.cluster", "megaray.runlog", "megaray.bench",
+              "megaray.pipelines", "megaray.cli")
 
 
 def _modules() -> dict[str, Path]:

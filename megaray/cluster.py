@@ -1,0 +1,66 @@
+"""The driver's Ray: attach to a cluster (``cluster.address`` or ``RAY_ADDRESS``) or start a
+local one from a folder of megaray's own, and the dashboard's address for the log."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import ray
+
+from megaray.config import RunConfig
+
+
+def connect_ray(cfg: RunConfig) -> bool:
+    """Attach to the configured or RAY_ADDRESS cluster, else start a local one.
+
+    Returns True when this call started Ray (so the caller shuts it down).
+    """
+    if ray.is_initialized():
+        return False
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, namespace="megaray", log_to_driver=True)
+        return True
+    needed = cfg.optim.num_shards * cfg.optim.threads_per_shard + cfg.worker.count * cfg.worker.threads
+    start_local_ray(num_cpus=cfg.cluster.num_cpus or max(needed, os.cpu_count() or 1),
+                    object_store_memory=cfg.cluster.object_store_mb * 2**20, namespace="megaray")
+    return True
+
+
+LOCAL_RAY_KILL_THRESHOLD = "0.98"
+
+
+def start_local_ray(**kwargs) -> None:
+    """``ray.init(address="local", **kwargs)`` from an empty folder of megaray's own.
+
+    A local Ray starts its workers in the driver's folder and puts that folder first on their
+    import path. Launched from a source checkout's root, the workers would import the
+    checkout's ``megaray/`` (which has no ``actors/``: setup maps it there from the top-level
+    folder) in place of the installed package, and every actor would fail to import. The
+    config's paths are absolute by then (``megaray.loader.absolute_paths``), so the workers'
+    folder means nothing to a run.
+
+    Ray's memory monitor kills a worker at ``RAY_memory_usage_threshold`` of the node's
+    memory (0.95 by default: 6.3 GiB of a 125 GiB host held back). megaray plans host memory
+    itself and refuses a run that does not fit (``megaray.plan.check``, against what the
+    monitor allows), so its own cluster starts at 0.98 unless the environment sets it."""
+    os.environ.setdefault("RAY_memory_usage_threshold", LOCAL_RAY_KILL_THRESHOLD)
+    here = os.getcwd()
+    folder = Path(tempfile.gettempdir()) / f"megaray-{os.getuid()}" / "ray-workers"
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chdir(folder)
+    try:
+        ray.init(address="local", **kwargs)
+    finally:
+        os.chdir(here)
+
+
+def dashboard_url() -> str:
+    try:
+        from ray._private.worker import get_dashboard_url
+
+        url = get_dashboard_url()
+        return f"http://{url}" if url and not url.startswith("http") else (url or "not running")
+    except Exception:
+        return "not available"

@@ -361,6 +361,7 @@ class Checkpointer:
             self._lock.close()                # refused: the folder is free again at once
             raise
         self.last_good: Path | None = None
+        self.loaded: tuple[Path, int] | None = None      # the checkpoint the run's state came from, its step
         self.failed: list[str] = []
 
     def _check_branch(self) -> None:
@@ -443,7 +444,13 @@ class Checkpointer:
         return final
 
     def save_final(self, session, step: int, extra: dict) -> Path:
-        """The run's last state; a failure here fails the run (its work would be lost)."""
+        """The run's last state; a failure here fails the run (its work would be lost). Where
+        the state is a checkpoint of this folder loaded at this very step (a relaunch of a
+        finished run trained nothing), that checkpoint is the final state, not written again."""
+        path, at = self.loaded or (None, None)
+        if at == step and path.resolve().parent == self.root.resolve():
+            self.log.info("nothing trained since %s: it is the final state, as loaded", path)
+            return path
         path = self.save(session, step, extra)
         if path is None:
             keep = f"the last good checkpoint is {self.last_good}" if self.last_good else "no checkpoint was saved"
@@ -478,4 +485,5 @@ class Checkpointer:
         self.log.info("resumed from %s (step %d): %.1f MB in %.2f s (%.2f GB/s)", path, ck.step, size / 1e6, dt,
                       size / dt / 1e9)
         self.last_good = Path(path)
+        self.loaded = (path, ck.step)
         return ck.step, trainer

@@ -1,5 +1,13 @@
-"""A run directory a person can read: the resolved config, ``train.log`` (and the console),
-``metrics.jsonl``, TensorBoard events and ``summary.json``, with the step progress line."""
+"""A run directory a person can read, with the step progress line on the console:
+
+    <run.dir>/<run id>/
+        config.yaml      the resolved config (every default filled in)
+        train.log        the log lines
+        metrics.jsonl    one JSON object per logged step
+        summary.json     status, first/last loss, held-out loss, wall time, tokens/s, where the
+                         checkpoints are (written at the start, rewritten at the end)
+        tb/              TensorBoard events: loss, lr, grad norm, tokens/s, step time, config
+"""
 from __future__ import annotations
 
 import json

@@ -125,11 +125,10 @@ class Trainer:
         to continue from."""
         cfg = self.cfg
         self.session = TrainingSession(cfg, self.run_id).start()
-        self.step, trainer, self.loaded = 0, {}, None
+        self.step, trainer = 0, {}
         for path in self.ckpt.candidates(how):
             try:
                 self.step, trainer = self.ckpt.load(self.session, path)
-                self.loaded = path
                 break
             except CheckpointError as e:
                 if how not in (None, "auto"):
@@ -237,16 +236,9 @@ class Trainer:
     # ---------------------------------------------------------------- finish
     def finish(self) -> dict:
         """The final checkpoint first (nothing after the last step can lose it), then the
-        held-out loss and the summary. A run that resumed at its last step from its own folder
-        trained nothing: the checkpoint it loaded is its final state, not written again."""
+        held-out loss and the summary."""
         cfg, s = self.cfg, self.summary
-        loaded = self.loaded
-        if (loaded is not None and s["first_step"] == cfg.train.steps
-                and loaded.resolve().parent == self.ckpt.root.resolve()):
-            final = loaded
-            log.info("nothing to train (train.steps=%d): the final state is %s, as loaded", cfg.train.steps, final)
-        else:
-            final = self.ckpt.save_final(self.session, cfg.train.steps, self._trainer_state())
+        final = self.ckpt.save_final(self.session, cfg.train.steps, self._trainer_state())
         eval_loss = None
         if self.evaluator.enabled:
             eval_loss = self._evaluate(cfg.train.steps)

@@ -128,3 +128,10 @@ def wait_for_steps(proc: subprocess.Popen, logs: Callable[[], list[Path]], n: in
         assert proc.poll() is None, proc.stdout.read()
         time.sleep(0.5)
     raise AssertionError(f"the run did not log {n} steps within {timeout:.0f} s")
+
+
+def dead_pid() -> int:
+    """The id of a process that has ended (what a killed writer's leftovers are named by)."""
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import ray
 import torch
-from conftest import finish, shm_files, wait_for_steps
+from conftest import dead_pid, finish, shm_files, wait_for_steps
 
 from megaray.actors.session import NAMESPACE
 from megaray.checkpoint import Checkpoint, complete_checkpoints
@@ -215,12 +215,6 @@ def test_corrupt_or_incomplete_checkpoint_falls_back_to_the_previous(ray_cluster
     assert shm_files() == []
 
 
-def _dead_pid() -> int:
-    p = subprocess.Popen(["true"])
-    p.wait()
-    return p.pid
-
-
 def test_a_checkpoint_being_replaced_is_never_lost(reference_run, tmp_path):
     """A run that writes a step its folder already holds renames the old checkpoint aside and
     removes it only once the new one is in place; a crash between the two leaves the aside,
@@ -232,7 +226,7 @@ def test_a_checkpoint_being_replaced_is_never_lost(reference_run, tmp_path):
     manifest = (step6 / "manifest.json").read_bytes()
     # the moment between commit's two renames: the old one aside, the new one (here its master
     # altered, so taking it would show) still temporary, and the writer dead
-    pid = _dead_pid()
+    pid = dead_pid()
     shutil.copytree(step6, root / f"{step6.name}.tmp-{pid}")
     data = bytearray((root / f"{step6.name}.tmp-{pid}" / "master.bin").read_bytes())
     data[100] ^= 0xFF

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -226,14 +225,15 @@ def test_model_tokenizer_feeds_the_data(ray_cluster, tmp_path, capsys):
     assert s["status"] == "succeeded"
     assert "tokenizer.json tokens" in (Path(s["run_dir"]) / "train.log").read_text()
     # and the export (the command, into an empty folder) carries the tokenizer along
+    from conftest import dead_pid
+
     from megaray.pipelines.export import main as export_main
 
     out = tmp_path / "export"
     out.mkdir()
-    dead = subprocess.Popen(["true"])
-    dead.wait()
-    (tmp_path / f"export.tmp-{dead.pid}").mkdir()                # what a killed export leaves: removed
-    (tmp_path / f"export.tmp-{dead.pid}" / "config.json").write_text("{}")
+    left = tmp_path / f"export.tmp-{dead_pid()}"                 # what a killed export leaves: removed
+    left.mkdir()
+    (left / "config.json").write_text("{}")
     assert export_main([s["checkpoint"], str(out)]) == 0
     assert "shard 1/1 model.safetensors" in capsys.readouterr().err
     assert (out / "tokenizer.json").read_bytes() == (path / "tokenizer.json").read_bytes()

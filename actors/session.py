@@ -52,7 +52,7 @@ from .store import ParameterStore, read_startup, startup_path
 
 log = logging.getLogger("megaray")
 NAMESPACE = "megaray"
-STARTUP_REPORT_S = 15.0       # between the store's progress lines while it starts
+STARTUP_REPORT_S = 15.0       # between the progress lines while the actors start
 
 
 def new_run_id(name: str) -> str:
@@ -158,7 +158,7 @@ class TrainingSession:
         workers = self._spawn_workers(relay)
         # The workers first: a resident unit's initial values pass through the worker's host
         # memory (a few parameters at a time) before the shards take and touch their moments.
-        self._ready([r for r in self.actors if r.startswith("worker")])
+        self._ready([r for r in self.actors if r.startswith("worker")], started)
         log.info("worker(s) ready at %.1f s; starting %d optimizer shards", time.perf_counter() - started,
                  o.num_shards)
         shards = []
@@ -167,7 +167,7 @@ class TrainingSession:
             shards.append(self._spawn(shard_class(cfg), role, cfg, self.handles, pieces, self.actor_name(role),
                                       num_cpus=o.threads_per_shard))
         self._spawn_data()
-        self._ready(list(self.actors))
+        self._ready(list(self.actors), started)
         log.info("optimizer shards and data ready at %.1f s", time.perf_counter() - started)
         if len(workers) > 1:
             addr, port = ray.get(workers[0].rendezvous.remote())
@@ -197,13 +197,23 @@ class TrainingSession:
                          counts[1] / 1e9, how, time.perf_counter() - started)
         return ref
 
-    def _ready(self, roles: list[str]) -> None:
-        """Wait for these actors' constructors; an error names the actor."""
-        for role in roles:
-            try:
-                ray.get(self.actors[role].__ray_ready__.remote())
-            except ray.exceptions.RayError as e:
-                raise ActorFailure(self.actor_name(role), f"failed to start: {e}") from None
+    def _ready(self, roles: list[str], started: float) -> None:
+        """Wait for these actors' constructors, naming those still starting every
+        ``STARTUP_REPORT_S`` (a worker pinning a large model's buffers takes a while); an
+        error names the actor."""
+        waiting = {self.actors[role].__ray_ready__.remote(): role for role in roles}
+        report = time.perf_counter() + STARTUP_REPORT_S
+        while waiting:
+            done, _ = ray.wait(list(waiting), timeout=max(0.0, report - time.perf_counter()))
+            for ref in done:            # one at a time: a failure is reported as soon as it comes
+                role = waiting.pop(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayError as e:
+                    raise ActorFailure(self.actor_name(role), f"failed to start: {e}") from None
+            if waiting and time.perf_counter() >= report:
+                log.info("still starting at %.0f s: %s", time.perf_counter() - started, ", ".join(waiting.values()))
+                report = time.perf_counter() + STARTUP_REPORT_S
 
     def _bundle(self) -> dict:
         cfg, o = self.cfg, self.cfg.optim

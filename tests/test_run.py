@@ -121,7 +121,8 @@ def test_train_cli_runs_demo_in_a_fresh_process(tmp_path):
 
 def test_the_store_shows_how_far_its_weights_have_come_while_it_starts(ray_cluster, monkeypatch, caplog):
     """While the store initialises, the driver logs the share of the values written, read
-    from the store's counter in shared memory; the counter ends at the model's size."""
+    from the store's counter in shared memory; the counter ends at the model's size. Then,
+    while the worker and the shards start, it names those not ready yet."""
     import logging
     import re
 
@@ -137,4 +138,9 @@ def test_the_store_shows_how_far_its_weights_have_come_while_it_starts(ray_clust
               if (m := re.fullmatch(rf"parameter store: (\d+)% of {n / 1e9:.2f} B values initialised at \d+ s",
                                     r.getMessage()))]
     assert shares and shares == sorted(shares) and 0 <= shares[0] and shares[-1] <= 100
+    # then the actors still starting are named, the worker (its buffers) first
+    starting = [m for r in caplog.records if (m := re.fullmatch(r"still starting at \d+ s: (.*)", r.getMessage()))]
+    assert starting and starting[0][1] == "worker"
+    assert {role for m in starting for role in m[1].split(", ")} <= {"worker", "scheduler", "data"} | {
+        f"optimizer-{k}" for k in range(cfg.optim.num_shards)}
     assert shm_files(s.run_id) == []

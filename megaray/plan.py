@@ -39,9 +39,21 @@ from megaray.memory import GiB
 
 _SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 _USABLE = "what is free, at most worker.gpu_memory_gib, less the allocator's reserve"
-PROCESS_BYTES = int(0.4 * GiB)   # one actor process: interpreter, torch, Ray worker
-CUDA_PROCESS_BYTES = int(1.5 * GiB)   # a GPU worker's CUDA libraries and context on the host (1.3 GB measured)
+# What an actor process adds to the memory in use (its anonymous pages: interpreter, torch, Ray's
+# core worker), and what a GPU worker adds beyond that (CUDA's host-side state). Measured on the
+# H200 machine (BENCHMARKS.md, session 24: Pss_Anon of every process, during steps): 0.30 GiB an
+# optimizer shard beyond its moments, the store and the scheduler; the GPU worker 0.88-0.99 GiB.
+# A library's code pages are the page cache's, reclaimable, and not counted.
+PROCESS_BYTES = int(0.3 * GiB)
+CUDA_PROCESS_BYTES = int(0.7 * GiB)
 RING_HEADROOM = 0.10             # of the host's memory, left free when the gradient ring deepens
+# Host memory no plan uses: the plan's own error (measured use within 2% of it on the H200
+# machine, BENCHMARKS.md session 24) and what grows beside a run (the page cache a checkpoint
+# dirties, the driver's copies): HOST_RESERVE of what is available, at least HOST_RESERVE_MIN.
+HOST_RESERVE = 0.02
+HOST_RESERVE_MIN = 2 * GiB
+_HOST_USABLE = (f"what is available less {HOST_RESERVE:.0%}, at least {HOST_RESERVE_MIN / GiB:g} GiB, "
+                "for the plan's error")
 
 
 @dataclass
@@ -79,15 +91,16 @@ class Plan:
 
     def report(self, machine: Machine | None = None) -> str:
         def block(title, items, total, have=None):
-            lines = [f"{title}: {total / GiB:8.2f} GiB" + (f"  (available {have / GiB:.2f} GiB)" if have is not None
-                                                             else "")]
+            lines = [f"{title}: {total / GiB:8.2f} GiB" + (f"  ({have})" if have is not None else "")]
             lines += [f"    {k:<42} {v / GiB:8.2f} GiB" for k, v in items.items()]
             return lines
 
         out = [f"model: {self.params / 1e9:.3f}B parameters; host state {self.host_bytes_per_param:.2f} bytes/param"]
         out += block("host memory", {**self.shm, **self.host_private}, self.host_total,
-                     machine.host_bytes if machine else None)
-        out += block("  of which shared memory", self.shm, self.shm_total, machine.shm_bytes if machine else None)
+                     f"usable {host_budget(machine) / GiB:.2f} GiB of {machine.host_bytes / GiB:.2f} available: "
+                     f"{_HOST_USABLE}" if machine else None)
+        out += block("  of which shared memory", self.shm, self.shm_total,
+                     f"available {machine.shm_bytes / GiB:.2f} GiB" if machine else None)
         saved = f", {describe_input_stride(self.input_stride)}" if self.input_stride > 1 else ""
         out += block(f"GPU (keeping {self.keep_blocks} blocks' activations, {self.offload_inputs} blocks' inputs "
                      f"in host memory{saved})", self.gpu, self.gpu_total)
@@ -205,9 +218,10 @@ def remedies(cfg: RunConfig, machine: Machine) -> list[str]:
 
 def shortfalls(p: Plan, machine: Machine) -> list[str]:
     out = []
-    if p.host_total > machine.host_bytes:
-        out.append(f"host memory: needs {p.host_total / GiB:.2f} GiB, {machine.host_bytes / GiB:.2f} GiB available "
-                   f"(short by {(p.host_total - machine.host_bytes) / GiB:.2f} GiB)")
+    host = host_budget(machine)
+    if p.host_total > host:
+        out.append(f"host memory: needs {p.host_total / GiB:.2f} GiB, {host / GiB:.2f} GiB usable "
+                   f"(short by {(p.host_total - host) / GiB:.2f} GiB; {_HOST_USABLE})")
     if p.shm_total > machine.shm_bytes:
         out.append(f"shared memory: needs {p.shm_total / GiB:.2f} GiB, {machine.shm_bytes / GiB:.2f} GiB free "
                    f"(short by {(p.shm_total - machine.shm_bytes) / GiB:.2f} GiB)")
@@ -243,6 +257,12 @@ def cast_slab_bytes(cfg: RunConfig) -> int:
 def offload_needed(cfg: RunConfig, gpu_bytes: int) -> int:
     """The fewest first blocks whose inputs must wait in host memory for the plan to fit."""
     return memory.offload_count(cfg, gpu_bytes, cast_slab_bytes=cast_slab_bytes(cfg))
+
+
+def host_budget(machine: Machine) -> int:
+    """The host memory a run plans to use on ``machine``: what is available less the
+    reserve for the plan's error (HOST_RESERVE, at least HOST_RESERVE_MIN)."""
+    return max(0, machine.host_bytes - max(HOST_RESERVE_MIN, int(HOST_RESERVE * machine.host_bytes)))
 
 
 def gpu_budget(cfg: RunConfig, machine: Machine) -> int | None:
@@ -288,7 +308,7 @@ def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> R
         gpu = gpu_budget(cfg, machine)
         res = 0
         if gpu is not None and can_be_resident(cfg):
-            rows = choose_placement(cfg, speeds, gpu, cast_slab_bytes(cfg), machine.host_bytes)
+            rows = choose_placement(cfg, speeds, gpu, cast_slab_bytes(cfg), host_budget(machine))
             res = best(rows)["resident"] if rows else 0
         cfg = replaced(cfg, "optim", placement=res or "host")
     if cfg.worker.input_stride is None:
@@ -313,14 +333,15 @@ def input_stride(cfg: RunConfig, machine: Machine) -> int:
 def ring_depth(cfg: RunConfig, machine: Machine) -> int:
     """The gradient ring's slabs for a resolved config whose ring is set at its shallowest: up
     to RING_SLABS_PER_SHARD a shard, with what host memory and /dev/shm hold beyond the plan
-    less RING_HEADROOM of the host's memory (the plan's own error is a few GiB: a deep ring
-    buys a few percent of a step, a run killed for memory loses it all)."""
+    less RING_HEADROOM of the host's memory, or the plan's reserve where that is more (a deep
+    ring buys a few percent of a step, a run killed for memory loses it all)."""
     o = cfg.optim
     if o.grad_placement == "host":
         return o.ring_slabs                         # no ring: the gradients wait in their own regions
     p = plan_for(cfg, machine)
-    spare = min(machine.host_bytes - p.host_total, machine.shm_bytes - p.shm_total)
-    extra = max(0, (spare - int(RING_HEADROOM * machine.host_bytes)) // p.slab_bytes)
+    keep_free = max(int(RING_HEADROOM * machine.host_bytes), machine.host_bytes - host_budget(machine))
+    spare = min(machine.host_bytes - p.host_total, machine.shm_bytes - p.shm_total) - keep_free
+    extra = max(0, spare // p.slab_bytes)
     return min(RING_SLABS_PER_SHARD * o.num_shards, o.ring_slabs + extra)
 
 

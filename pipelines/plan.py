@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
         describe_input_stride,
         describe_placement,
         gpu_budget,
+        host_budget,
         largest_fit,
         plan_for,
         remedies,
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
               f"{'; ' + describe_input_stride(cfg.worker.stride) if cfg.worker.stride > 1 else ''}), "
               f"{cfg.train.tokens_per_step / t['step_s']:.0f} tokens/s")
         if can_be_resident(cfg):
-            print_placements(choose_placement(cfg, speeds, gpu, cast_slab_bytes(cfg), machine.host_bytes), best)
+            print_placements(choose_placement(cfg, speeds, gpu, cast_slab_bytes(cfg), host_budget(machine)), best)
         mb, seq = largest_fit(cfg, machine)
         print(f"largest micro_batch_size at seq_len {cfg.train.seq_len}: {mb}; "
               f"largest seq_len at micro_batch_size {cfg.train.micro_batch_size}: {seq}")

@@ -47,7 +47,7 @@ _USABLE = "what is free, at most worker.gpu_memory_gib, less the allocator's res
 PROCESS_BYTES = int(0.3 * GiB)
 CUDA_PROCESS_BYTES = int(0.7 * GiB)
 RING_HEADROOM = 0.10             # of the host's memory, left free when the gradient ring deepens
-# Host memory no plan uses: the plan's own error (measured use within 2% of it on the H200
+# Host memory no plan uses: the plan's own error (measured use within 2.5% of it on the H200
 # machine, BENCHMARKS.md session 24) and what grows beside a run (the page cache a checkpoint
 # dirties, the driver's copies): HOST_RESERVE of what is available, at least HOST_RESERVE_MIN.
 HOST_RESERVE = 0.02

@@ -401,6 +401,11 @@ def prepare(inputs: list[str], out: str, opts: PrepareOptions, log=print, num_cp
     out_p = Path(out).absolute()        # absolute: the tasks run in another folder
     if out_p.exists():
         raise DataError(f"{out}: already exists; prepare writes a new folder")
+    # imported here: the tasks import this module, and megaray.shm imports torch
+    from megaray.shm import remove_dead_tmp
+
+    for left in remove_dead_tmp(out_p):
+        log(f"prepare: removed {left}, what a killed prepare left unfinished")
     files = [(kind, os.path.abspath(p)) for kind, p in input_files(inputs)]
     tasks = plan_tasks(files, int(opts.split_mb * 2**20))
     total_bytes = sum(os.path.getsize(p) for _, p in files)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
+from pathlib import Path
 
 import torch
 
@@ -64,6 +66,20 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def remove_dead_tmp(path: str | os.PathLike) -> list[Path]:
+    """Delete the ``<path>.tmp-<pid>`` folders beside ``path`` whose writer is dead: what a
+    killed ``megaray export`` or ``megaray prepare`` left (each writes its folder there and
+    renames it into place last). A live writer's folder stays."""
+    path = Path(path)
+    removed = []
+    for left in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):
+        pid = left.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(left, ignore_errors=True)
+            removed.append(left)
+    return removed
 
 
 def remove_stale(shm_dir: str) -> list[str]:

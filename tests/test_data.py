@@ -5,13 +5,14 @@ pyarrow itself."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import shm_files
+from conftest import dead_pid, shm_files
 
 from megaray.data import targets_kept
 from megaray.dataset import ShardDataset
@@ -86,7 +87,16 @@ def test_text_to_shards_to_batches_reproduces_the_stream(ray_cluster, tmp_path):
     folder.mkdir()
     for i, d in enumerate(docs[:5]):
         (folder / f"{i:02d}.txt").write_text(d)
-    prepare([str(folder)], str(tmp_path / "txt"), PrepareOptions(seq_len=S, holdout_fraction=0.0), log=lambda s: None)
+    # what a killed prepare of the same output left (it writes txt.tmp-<pid>, renamed last) goes;
+    # a live writer's folder stays
+    dead, live = tmp_path / f"txt.tmp-{dead_pid()}", tmp_path / f"txt.tmp-{os.getppid()}"
+    for d in (dead, live):
+        d.mkdir()
+        (d / "shard-00000.arrow").write_bytes(b"half a shard")
+    said: list[str] = []
+    prepare([str(folder)], str(tmp_path / "txt"), PrepareOptions(seq_len=S, holdout_fraction=0.0), log=said.append)
+    assert not dead.exists() and (live / "shard-00000.arrow").read_bytes() == b"half a shard"
+    assert f"prepare: removed {dead}, what a killed prepare left unfinished" in said
     t3, _ = _read_all(tmp_path / "txt")
     assert t3.reshape(-1)[: len(_expected_stream(docs[:5]))].tolist() == _expected_stream(docs[:5])
 

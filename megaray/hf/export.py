@@ -18,7 +18,7 @@ from megaray.config import ModelConfig
 from megaray.errors import CheckpointError, ExportError
 from megaray.hf import ARCHITECTURES, SIDE_FILES
 from megaray.layout import build_layout
-from megaray.shm import pid_alive
+from megaray.shm import remove_dead_tmp
 
 
 def hf_config_dict(model, architecture: str | None, source: dict | None = None) -> dict:
@@ -125,10 +125,7 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, dtype
         raise ExportError(f"{out_dir} already exists and is not an empty folder; export writes a new folder "
                           "and leaves that one as it is")
     ck = Checkpoint(find_checkpoint(path))
-    for left in out.parent.glob(f"{out.name}.tmp-*"):       # what a killed export left
-        pid = left.name.rsplit("-", 1)[1]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(left, ignore_errors=True)
+    remove_dead_tmp(out)                                    # what a killed export left
     model = ModelConfig(**ck.manifest["model"])
     where = {s.name: (u, s) for u in build_layout(model) for s in u.params}
 

@@ -27,6 +27,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import ray
@@ -70,6 +71,19 @@ def _gpu_free() -> int:
     import torch
 
     return torch.cuda.mem_get_info()[0]
+
+
+def as_ready(refs: list, report: Callable[[list], None]):
+    """Each of ``refs`` as it completes; every ``STARTUP_REPORT_S`` while some are pending,
+    ``report(pending)`` (the start-up's progress lines)."""
+    due = time.perf_counter() + STARTUP_REPORT_S
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, timeout=max(0.0, due - time.perf_counter()))
+        yield from done
+        if pending and time.perf_counter() >= due:
+            report(pending)
+            due = time.perf_counter() + STARTUP_REPORT_S
 
 
 def cuda_allocator_env(environ=os.environ) -> dict[str, str]:
@@ -190,30 +204,31 @@ class TrainingSession:
         ``STARTUP_REPORT_S`` (a 14B model's take a minute or more); returns ``ref``."""
         path = startup_path(self.cfg.cluster.shm_dir, os.getpid(), self.run_id)
         how = "loaded" if self.cfg.model.from_path else "initialised"
-        while not ray.wait([ref], timeout=STARTUP_REPORT_S)[0]:
+
+        def report(_pending):
             counts = read_startup(path)
             if counts is not None and counts[1]:
                 log.info("parameter store: %.0f%% of %.2f B values %s at %.0f s", 100 * counts[0] / counts[1],
                          counts[1] / 1e9, how, time.perf_counter() - started)
+
+        for _ in as_ready([ref], report):
+            pass
         return ref
 
     def _ready(self, roles: list[str], started: float) -> None:
         """Wait for these actors' constructors, naming those still starting every
         ``STARTUP_REPORT_S`` (a worker pinning a large model's buffers takes a while); an
-        error names the actor."""
-        waiting = {self.actors[role].__ray_ready__.remote(): role for role in roles}
-        report = time.perf_counter() + STARTUP_REPORT_S
-        while waiting:
-            done, _ = ray.wait(list(waiting), timeout=max(0.0, report - time.perf_counter()))
-            for ref in done:            # one at a time: a failure is reported as soon as it comes
-                role = waiting.pop(ref)
-                try:
-                    ray.get(ref)
-                except ray.exceptions.RayError as e:
-                    raise ActorFailure(self.actor_name(role), f"failed to start: {e}") from None
-            if waiting and time.perf_counter() >= report:
-                log.info("still starting at %.0f s: %s", time.perf_counter() - started, ", ".join(waiting.values()))
-                report = time.perf_counter() + STARTUP_REPORT_S
+        error names the actor as soon as it comes."""
+        role = {self.actors[r].__ray_ready__.remote(): r for r in roles}
+
+        def report(pending):
+            log.info("still starting at %.0f s: %s", time.perf_counter() - started, ", ".join(role[p] for p in pending))
+
+        for ref in as_ready(list(role), report):
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as e:
+                raise ActorFailure(self.actor_name(role[ref]), f"failed to start: {e}") from None
 
     def _bundle(self) -> dict:
         cfg, o = self.cfg, self.cfg.optim

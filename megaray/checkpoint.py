@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from megaray.errors import CheckpointError, ConfigError
-from megaray.shm import pid_alive
+from megaray.leftovers import pid_alive
 
 FORMAT = 2
 MANIFEST = "manifest.json"

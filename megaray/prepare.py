@@ -44,6 +44,7 @@ import numpy as np
 import ray
 
 from megaray.errors import DataError
+from megaray.leftovers import remove_dead_tmp
 from megaray.tokenizer import BadRow, TextTokenizer
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
@@ -401,9 +402,6 @@ def prepare(inputs: list[str], out: str, opts: PrepareOptions, log=print, num_cp
     out_p = Path(out).absolute()        # absolute: the tasks run in another folder
     if out_p.exists():
         raise DataError(f"{out}: already exists; prepare writes a new folder")
-    # imported here: the tasks import this module, and megaray.shm imports torch
-    from megaray.shm import remove_dead_tmp
-
     for left in remove_dead_tmp(out_p):
         log(f"prepare: removed {left}, what a killed prepare left unfinished")
     files = [(kind, os.path.abspath(p)) for kind, p in input_files(inputs)]

@@ -24,6 +24,7 @@ from megaray.loader import dump_config
 
 log = logging.getLogger("megaray")
 LOG_FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+TB_SCALARS = (*STEP_GAUGES, "data_wait_seconds")    # train/<name>: the names of metrics.jsonl and Prometheus
 
 
 def log_to_console() -> logging.Handler | None:
@@ -36,8 +37,6 @@ def log_to_console() -> logging.Handler | None:
     h.setFormatter(LOG_FORMAT)
     log.addHandler(h)
     return h
-
-TB_SCALARS = (*STEP_GAUGES, "data_wait_seconds")    # train/<name>: the names of metrics.jsonl and Prometheus
 
 
 def fmt_time(s: float) -> str:
@@ -97,12 +96,11 @@ class RunLog:
         self.progress: Progress | None = None
 
     def _setup_logging(self) -> logging.Handler:
-        root = logging.getLogger("megaray")
         log_to_console()
         fh = logging.FileHandler(self.dir / "train.log")
         fh.setFormatter(LOG_FORMAT)
-        root.addHandler(fh)
-        root.propagate = False
+        log.addHandler(fh)
+        log.propagate = False
         return fh
 
     def due(self, m: dict) -> bool:
@@ -140,5 +138,5 @@ class RunLog:
         except OSError:
             pass
         self.write_summary()
-        logging.getLogger("megaray").removeHandler(self._handler)
+        log.removeHandler(self._handler)
         self._handler.close()

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
-from pathlib import Path
 
 import torch
+
+from megaray.leftovers import pid_alive
 
 PREFIX = "megaray_"
 
@@ -54,31 +54,6 @@ def remove_run(shm_dir: str, run_id: str) -> list[str]:
             removed.append(p)
         except FileNotFoundError:
             pass
-    return removed
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process of this id exists on this host (one of another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_dead_tmp(path: str | os.PathLike) -> list[Path]:
-    """Delete the ``<path>.tmp-<pid>`` folders beside ``path`` whose writer is dead: what a
-    killed ``megaray export`` or ``megaray prepare`` left (each writes its folder there and
-    renames it into place last). A live writer's folder stays."""
-    path = Path(path)
-    removed = []
-    for left in path.parent.glob(f"{glob.escape(path.name)}.tmp-*"):
-        pid = left.name.rsplit("-", 1)[1]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(left, ignore_errors=True)
-            removed.append(left)
     return removed
 
 

@@ -13,7 +13,8 @@ PACKAGES = ("megaray", "megaray.actors", "megaray.pipelines", "megaray.hf")
 # The core library: neither Ray nor the actors and the driver above it.
 CORE = {"megaray.errors", "megaray.shapes", "megaray.model_config", "megaray.config", "megaray.loader",
         "megaray.layout", "megaray.attention", "megaray.fused", "megaray.model",
-        "megaray.hf", "megaray.hf.read", "megaray.hf.export", "megaray.shm", "megaray.protocol", "megaray.buffers",
+        "megaray.hf", "megaray.hf.read", "megaray.hf.export", "megaray.leftovers", "megaray.shm", "megaray.protocol",
+        "megaray.buffers",
         "megaray.memory", "megaray.cost", "megaray.machine", "megaray.plan", "megaray.schedule", "megaray.adamw",
         "megaray.checkpoint", "megaray.data", "megaray.dataset", "megaray.tokenizer"}
 ABOVE_CORE = ("ray", "megaray.actors", "megaray.runner", "megaray.cluster", "megaray.runlog", "megaray.bench",

@@ -18,7 +18,7 @@ from megaray.config import ModelConfig
 from megaray.errors import CheckpointError, ExportError
 from megaray.hf import ARCHITECTURES, SIDE_FILES
 from megaray.layout import build_layout
-from megaray.shm import remove_dead_tmp
+from megaray.leftovers import remove_dead_tmp
 
 
 def hf_config_dict(model, architecture: str | None, source: dict | None = None) -> dict:

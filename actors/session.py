@@ -181,7 +181,8 @@ class TrainingSession:
             shards.append(self._spawn(shard_class(cfg), role, cfg, self.handles, pieces, self.actor_name(role),
                                       num_cpus=o.threads_per_shard))
         self._spawn_data()
-        self._ready(list(self.actors), started)
+        # the rest (the store and the workers are ready by now: never named as still starting)
+        self._ready([r for r in self.actors if r != "store" and not r.startswith("worker")], started)
         log.info("optimizer shards and data ready at %.1f s", time.perf_counter() - started)
         if len(workers) > 1:
             addr, port = ray.get(workers[0].rendezvous.remote())

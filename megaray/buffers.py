@@ -67,7 +67,7 @@ class Handles:
         else:
             c_off, c_bytes = unit_offsets(units, DTYPES[compute_dtype].itemsize)
         pieces = cut_pieces([u for u in units if u.index not in resident], slab_numel)
-        slab_numel = min(slab_numel, max(p.numel for p in pieces))   # no slab larger than the largest piece
+        slab_numel = max(p.numel for p in pieces)    # a slab holds the largest piece, no more
         ring_slabs = min(ring_slabs, len(pieces))                     # nor more slabs than pieces
         count = {u.index: 0 for u in units}
         for p in pieces:

@@ -9,6 +9,12 @@
 - A *piece* is a slab-sized slice of a unit (``optim.grad_slab_mib``), never crossing the
   decay boundary: the unit of transport through the gradient ring and of one optimizer
   update. Pieces are a transport detail: nothing that is saved depends on how units were cut.
+- Every piece starts a whole number of ``PIECE_ALIGN`` elements after its segment's start, so
+  under any cut an element takes the same code path in a vectorised update: torch's fused
+  AdamW computes a call's last ``numel % vector width`` elements in a scalar loop that rounds
+  differently (no fused multiply-add), and a cut at an arbitrary element moved that tail with
+  it (1 ulp apart on an AVX2 machine). Aligned, the only tails are at the segments' ends, the
+  same elements whatever the slab size, shard count or thread count.
 
 Invariant: a layout is a pure function of the model config, so every actor derives the same
 one, and a checkpoint keyed by (unit, offset) or by parameter name reads back in any run of
@@ -26,6 +32,7 @@ import torch
 from megaray.config import ModelConfig
 
 ALIGN = 4096        # bytes: every unit's region in a shared file starts on a page
+PIECE_ALIGN = 64    # elements: a piece's start within its segment (a multiple of any CPU vector width)
 
 
 @dataclass(frozen=True)
@@ -145,12 +152,14 @@ class Piece:
 
 
 def cut_pieces(units, slab_numel: int) -> tuple[Piece, ...]:
-    """Every unit's [0, decay_numel) and [decay_numel, numel), in slab-sized pieces, in forward order."""
+    """Every unit's [0, decay_numel) and [decay_numel, numel), in pieces of at most ``slab_numel``
+    elements (rounded down to whole ``PIECE_ALIGN``s, at least one), in forward order."""
+    step = max(PIECE_ALIGN, slab_numel // PIECE_ALIGN * PIECE_ALIGN)
     out: list[Piece] = []
     for u in units:
         for a, b, decay in ((0, u.decay_numel, True), (u.decay_numel, u.numel, False)):
-            for start in range(a, b, slab_numel):
-                out.append(Piece(len(out), u.index, start, min(b, start + slab_numel), decay))
+            for start in range(a, b, step):
+                out.append(Piece(len(out), u.index, start, min(b, start + step), decay))
     return tuple(out)
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from megaray import adamw
+from megaray.loader import load_config
 
 F32, BF16 = torch.float32, torch.bfloat16
 N = 50_003          # not a multiple of any vector width
@@ -157,6 +158,47 @@ def test_a_bf16_master_lands_on_a_neighbour_unbiased_and_independent_of_the_cut(
     got = whole[0].float()
     assert float(((got == down) | (got == up)).float().mean()) > 0.999    # fp32 vs fp64 at a boundary, rarely
     assert int((got == up).sum()) > 1000 and int((got == down).sum()) > 1000
+
+
+@pytest.mark.parametrize("pdt, mdt, use_kernel", [(F32, F32, True), (F32, BF16, True), (F32, BF16, False)],
+                         ids=["torch-fused-fp32", "kernel-bf16-moments", "fallback-bf16-moments"])
+def test_any_cut_into_pieces_updates_bit_for_bit_like_the_whole_unit(pdt, mdt, use_kernel):
+    """A unit's update does not depend on the slab size, the shard count or the threads: every
+    piece starts a whole PIECE_ALIGN after its segment's start, so a vectorised loop's scalar
+    tail (torch's fused AdamW rounds it without a fused multiply-add) falls on the same elements
+    under any cut. Requests of unaligned slabs (2621 elements: optim.grad_slab_mib=0.01) are
+    rounded down. Segments of odd lengths put a tail at each segment's end."""
+    from megaray.layout import PIECE_ALIGN, UnitLayout, cut_pieces
+
+    unit = UnitLayout(index=1, name="block.0", kind="block", params=(), numel=8110, decay_numel=7777)
+    o = load_config("debug").optim
+    g = torch.Generator().manual_seed(11)
+    start = (torch.randn(unit.numel, generator=g).to(pdt), (0.1 * torch.randn(unit.numel, generator=g)).to(mdt),
+             (0.01 * torch.rand(unit.numel, generator=g)).to(mdt))
+    grads = [torch.randn(unit.numel, generator=g) for _ in range(3)]
+
+    def run(slab_numel, threads):
+        adam = adamw.AdamW(threads, use_kernel=use_kernel)
+        torch.set_num_threads(threads)
+        p, m, v = (t.clone() for t in start)
+        pieces = cut_pieces([unit], slab_numel)
+        for t, grad in enumerate(grads, 1):
+            for pc in pieces:
+                s = slice(pc.start, pc.stop)
+                adamw.update_piece(adam, o, 3, pc, p[s], grad[s], m[s], v[s], 1e-2, t, 0.7)
+        return pieces, (p, m, v)
+
+    before = torch.get_num_threads()
+    try:
+        _, whole = run(1 << 20, 1)
+        for slab, threads in ((2621, 1), (1000, 2), (37, 1), (64 * 40, 2)):
+            pieces, cut = run(slab, threads)
+            assert len(pieces) > 2
+            assert all((pc.start - (0 if pc.decay else unit.decay_numel)) % PIECE_ALIGN == 0 for pc in pieces)
+            for a, b in zip(whole, cut):
+                assert torch.equal(_bits(a), _bits(b)), f"slab {slab}, {threads} threads"
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_without_a_compiler_the_fallback_runs_and_says_so_once(tmp_path):

@@ -20,8 +20,9 @@ import torch
 
 from megaray import memory
 from megaray.config import RunConfig
+from megaray.step import WorkerTimes
 
-from .device import Device, StepTimer
+from .device import Device
 
 
 class ActivationPolicy:
@@ -40,7 +41,7 @@ class ActivationPolicy:
 
     # ------------------------------------------------------------------ choices
     def _budget(self) -> int:
-        return memory.budget(self.dev.free_bytes())
+        return memory.gpu_budget(self.dev.free_bytes(), self.cfg.worker.gpu_memory_gib)
 
     def keep_count(self) -> int:
         """Blocks (the last ones) whose activations stay resident this step."""
@@ -107,7 +108,7 @@ class ActivationPolicy:
                 self.dev.unpin(self.host_inputs)
             self.host_inputs = self._host_mapping = None    # the mapping goes with its last reference
 
-    def offload(self, j: int, acts: list, timer: StepTimer) -> None:
+    def offload(self, j: int, acts: list, times: WorkerTimes) -> None:
         """Send block j's saved inputs to host memory (after the compute that wrote them)."""
         host = self.host_inputs[j // self.stride]
         if self.dev.cuda:
@@ -120,7 +121,7 @@ class ActivationPolicy:
         else:
             for m, x in enumerate(acts[j]):
                 host[m].copy_(x)
-        timer.add("offload_bytes", sum(x.numel() * x.element_size() for x in acts[j]))
+        times.offload_bytes += sum(x.numel() * x.element_size() for x in acts[j])
         acts[j] = [None] * len(acts[j])
 
     def fetch(self, j: int, acts: list):

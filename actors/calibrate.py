@@ -2,7 +2,7 @@
 
 The cost model's update rate is the reference machine's (``megaray.cost.ADAMW_PER_CORE``),
 but hosts differ, and so do leases of the same kind: on one H200 host the shards updated a
-third slower than on another (BENCHMARKS.md, session 15), and with the reference rate the
+third slower than on another (BENCHMARKS.md), and with the reference rate the
 placement left the GPU waiting 11-13% of every step for updates that more resident units
 would have taken off the CPU. So a run that chooses its placement on a GPU first measures:
 one short-lived actor per shard, with the shard's threads, all on one node (they share its
@@ -39,10 +39,11 @@ class _ShardTimer:
         import torch
 
         from megaray import adamw
+        from megaray.bench.adamw import random_state
 
         torch.set_num_threads(threads)
         self.numel = numel
-        self.state = adamw.random_state(numel, master_dtype, grad_dtype, moment_dtype, copy)
+        self.state = random_state(numel, master_dtype, grad_dtype, moment_dtype, copy)
         self.opt = adamw.AdamW(threads)
         self.hyper = adamw.hyper(1e-4, (0.9, 0.95), 1e-8, 0.1, 1)
         self._step()
@@ -76,7 +77,7 @@ def update_rate(cfg: RunConfig, numel: int = 4 * 2**20, window_s: float = WINDOW
     MB of fp32 state, well beyond the caches). Two phases, the driver the barrier between
     them: every timer built and warm, then every one timed over the same window. (A fixed
     start time is not enough: seven processes importing torch at once on a fresh node took
-    longer than any fixed lead, and each then timed a window of its own: session 17.)"""
+    longer than any fixed lead, and each then timed a window of its own.)"""
     o = cfg.optim
     node = ray.get_runtime_context().get_node_id()
     timer = _ShardTimer.options(num_cpus=o.threads_per_shard,

@@ -1,10 +1,32 @@
-"""Turning a Ray call's failure into megaray's own error types (shared by the driver's
-session and actors that call other actors)."""
+"""Failures as megaray's own error types: a Ray call's failure, read by the caller
+(``get_or_raise``: the driver's session and actors that call other actors), and an actor's
+own, raised from its methods (``actor_guard``: the worker, its evaluation, the optimizer
+shards and the relay)."""
 from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import ray
 
-from megaray.errors import ActorFailure, MegarayError
+from megaray.errors import ActorFailure, MegarayError, RunAborted
+
+
+@contextmanager
+def actor_guard(name: str, step: int, abort: Callable[[], None],
+                cause: Callable[[], str | None] = lambda: None) -> Iterator[None]:
+    """Whatever the body raises leaves as an ``ActorFailure`` naming actor ``name`` and
+    ``step``. A ``RunAborted`` (another actor aborted the run) is marked ``aborted``, unless
+    ``cause()`` names a failure of this actor's own that aborted it; any other exception first
+    aborts the run (``abort()``: every waiter on the shared control words is released)."""
+    try:
+        yield
+    except RunAborted as e:
+        why = cause()
+        raise ActorFailure(name, why or str(e), step, aborted=why is None) from None
+    except Exception as e:
+        abort()
+        raise ActorFailure(name, f"{type(e).__name__}: {e}", step) from e
 
 
 def get_or_raise(ref, actor: str):

@@ -11,7 +11,19 @@ from __future__ import annotations
 import time
 
 from megaray.config import RunConfig
-from megaray.data import open_source
+from megaray.corpus import ByteCorpus
+from megaray.dataset import ShardDataset
+from megaray.step import Batch
+from megaray.tokenizer import model_tokenizer
+
+
+def open_source(cfg: RunConfig):
+    """The configured data source: something with ``rows_at(position, n, split, documents)``,
+    ``attention(asked)``, ``has_heldout()`` and ``describe()``."""
+    if cfg.data.source == "shards":
+        return ShardDataset(cfg.data.path, cfg.train.seq_len, cfg.model.vocab_size, cfg.run.seed, cfg.data.shuffle)
+    return ByteCorpus(cfg.data, model_tokenizer(cfg.model.from_path), cfg.model.vocab_size, cfg.train.seq_len,
+                      cfg.run.seed)
 
 
 class DataFeeder:
@@ -34,12 +46,12 @@ class DataFeeder:
         """Whether the source holds out rows for the evaluation loss."""
         return self.src.has_heldout()
 
-    def step_batch(self, position: int, micro_batches: int | None = None, split: str = "train") -> dict:
+    def step_batch(self, position: int, micro_batches: int | None = None,
+                   split: str = "train") -> tuple[Batch, float]:
         """The batch [micro_batches, micro_batch_size, seq_len + 1] that starts at stream
-        ``position``, with the seconds it took to build."""
+        ``position``, and the seconds it took to build."""
         t = self.cfg.train
-        G = micro_batches or t.grad_accum
+        n = micro_batches or t.grad_accum
         t0 = time.perf_counter()
-        rows = self.src.rows_at(position, G * t.micro_batch_size, split, documents=self.attention == "document")
-        out = {k: v.reshape(G, t.micro_batch_size, -1) for k, v in rows.items()}
-        return {"batch": out, "seconds": time.perf_counter() - t0}
+        rows = self.src.rows_at(position, n * t.micro_batch_size, split, documents=self.attention == "document")
+        return Batch.from_rows(rows, n), time.perf_counter() - t0

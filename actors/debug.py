@@ -30,23 +30,23 @@ class DebugGpuWorker(GpuWorker):
         super().__init__(*args, **kw)
         self._last_grads: dict[int, np.ndarray] = {}
 
-    def _run_step(self, step: int, tokens, total_tokens):
+    def _run_step(self, step: int, batch, total_tokens):
         d = self.cfg.debug
         if d.crash_actor == "worker" and d.crash_step == step:
             raise InjectedFault(f"injected crash at step {step}")
-        return super()._run_step(step, tokens, total_tokens)
+        return super()._run_step(step, batch, total_tokens)
 
-    def _gradient_done(self, step, u, g, grads, sq, clock):
-        if step in self.cfg.debug.nonfinite_steps:
+    def _gradient_done(self, st, u, g):
+        if st.step in self.cfg.debug.nonfinite_steps:
             g.fill_(float("nan"))
-        super()._gradient_done(step, u, g, grads, sq, clock)
+        super()._gradient_done(st, u, g)
         if self.cfg.debug.keep_gradients:     # summed over the workers, not yet clipped
             self._last_grads[u] = g.cpu().numpy()
 
-    def _decide_and_ship(self, step, grads, sq, loss_sum, timer, clock):
-        if step in self.cfg.debug.nonfinite_steps:
-            loss_sum.fill_(float("nan"))
-        return super()._decide_and_ship(step, grads, sq, loss_sum, timer, clock)
+    def _decide_and_ship(self, st):
+        if st.step in self.cfg.debug.nonfinite_steps:
+            st.loss_sum.fill_(float("nan"))
+        return super()._decide_and_ship(st)
 
     def gradients(self) -> dict[int, np.ndarray]:
         """The last step's unclipped fp32 gradients by unit (needs ``debug.keep_gradients``)."""

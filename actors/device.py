@@ -21,6 +21,8 @@ from contextlib import contextmanager
 
 import torch
 
+from megaray.step import WorkerTimes
+
 
 class Device:
     def __init__(self, device: str, cap_bytes: int | None = None):
@@ -87,9 +89,9 @@ class Device:
         return torch.cuda.memory_allocated(self.device) if self.cuda else 0
 
     def free_bytes(self) -> int:
-        """Device memory this process may use: free plus what it holds already, at most its cap."""
-        have = torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device)
-        return have if self.cap_bytes is None else min(have, self.cap_bytes)
+        """Device memory free to this process: free plus what it holds already (its cap,
+        ``worker.gpu_memory_gib``, is applied by ``memory.gpu_budget``)."""
+        return torch.cuda.mem_get_info(self.device)[0] + torch.cuda.memory_reserved(self.device)
 
     def synchronize(self) -> None:
         if self.cuda:
@@ -101,16 +103,6 @@ class Device:
         if self.cuda:
             self.copy_stream.synchronize()
             self.compute_stream.synchronize()
-
-
-class StepTimer:
-    """Seconds and bytes of one step, by name (worker/<name> in the step's metrics)."""
-
-    def __init__(self):
-        self.t: dict[str, float] = {}
-
-    def add(self, key: str, dt: float) -> None:
-        self.t[key] = self.t.get(key, 0.0) + dt
 
 
 class StepClock:
@@ -139,9 +131,9 @@ class StepClock:
     def waited_for_optimizer(self, u: int, seconds: float) -> None:
         self.opt_wait[u] = self.opt_wait.get(u, 0.0) + seconds
 
-    def gpu_time(self) -> dict:
-        """Busy time of the step's compute regions and the idle gaps between them (call
-        after the compute stream has finished the step)."""
+    def add_gpu_time(self, times: WorkerTimes) -> None:
+        """Add the busy time of the step's compute regions and the idle gaps between them to
+        ``times`` (call after the compute stream has finished the step)."""
         el = (lambda a, b: a.elapsed_time(b) / 1e3) if self.dev.cuda else (lambda a, b: b - a)
         busy = opt = other = first = 0.0
         for k, (u, a, b) in enumerate(self.spans):
@@ -153,7 +145,9 @@ class StepClock:
                 opt, other = opt + w, other + gap - w
             else:                                       # before the first region: outside the GPU
                 first = waited                          # work, of which this long waiting for updates
-        out = {"compute_s": busy, "gap_optimizer_s": opt, "gap_other_s": other, "first_unit_optimizer_s": first}
+        times.compute_s += busy
+        times.gap_optimizer_s += opt
+        times.gap_other_s += other
+        times.first_unit_optimizer_s += first
         if self.dev.cuda:
-            out["copy_in_s"] = sum(a.elapsed_time(b) for a, b in self.copy_events) / 1e3
-        return out
+            times.copy_in_s += sum(a.elapsed_time(b) for a, b in self.copy_events) / 1e3

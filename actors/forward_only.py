@@ -12,26 +12,22 @@ import numpy as np
 import torch
 
 from megaray.attention import packing
-from megaray.errors import ActorFailure, RunAborted
 from megaray.model import block_forward, embed_forward, head_loss_sum, rms_norm
+from megaray.step import Batch, EvalResult, WorkerTimes
 
-from .device import StepClock, StepTimer
+from .calls import actor_guard
+from .device import StepClock
 
 
 class ForwardOnly:
-    def evaluate(self, step: int, tokens: np.ndarray) -> dict:
-        """Forward-only loss on tokens [micro_batches, batch, seq + 1] with step ``step``'s weights."""
-        try:
-            return self._evaluate(step, tokens)
-        except RunAborted as e:
-            raise ActorFailure(self.name, str(e), step, aborted=True) from None
-        except Exception as e:
-            self.shipper.abort()
-            raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
+    def evaluate(self, step: int, batch: Batch) -> EvalResult:
+        """Forward-only loss on ``batch`` [micro_batches, rows, seq + 1] with step ``step``'s weights."""
+        with actor_guard(self.name, step, self.shipper.abort):
+            return self._evaluate(step, batch)
 
     @torch.no_grad()
-    def _evaluate(self, step: int, tokens: np.ndarray) -> dict:
-        inputs, targets, packs = self._inputs_targets(tokens)
+    def _evaluate(self, step: int, batch: Batch) -> EvalResult:
+        inputs, targets, packs = self._inputs_targets(batch)
         xs, wh, we = self._forward_only(step, list(inputs), packs)
         loss, count = 0.0, 0
         chunk = self.cfg.train.loss_chunk_tokens
@@ -43,7 +39,7 @@ class ForwardOnly:
                 count += int(n)
         self.slots.release(len(self.units) - 1)      # after the loss has read the head and embedding
         self.slots.release(0)
-        return {"loss_sum": loss, "tokens": count}
+        return EvalResult(loss_sum=loss, tokens=count)
 
     @torch.no_grad()
     def logits(self, tokens: np.ndarray, doc: np.ndarray | None = None) -> np.ndarray:
@@ -65,15 +61,15 @@ class ForwardOnly:
         """Final hidden states of each input through every block, with step ``step``'s weights;
         also the head's and the embedding's bound weights, still resident: the caller
         releases those two slots once it has used them."""
-        timer, clock, slots = StepTimer(), StepClock(self.dev), self.slots
+        times, clock, slots = WorkerTimes(), StepClock(self.dev), self.slots
         slots.begin()
-        slots.ready(slots.stage(0, step, timer, clock), timer)
+        slots.ready(slots.stage(0, step, times, clock), times)
         _, we = slots.weights(0, grad=False)
         xs = [embed_forward(we, x) for x in inputs]
         for u in range(1, len(self.units)):
-            slots.ready(slots.stage(u, step, timer, clock), timer)
+            slots.ready(slots.stage(u, step, times, clock), times)
             _, w = slots.weights(u, grad=False)
-            if u <= self.L:
+            if u <= self.num_blocks:
                 xs = [block_forward(w, x, self.rope, self.mcfg, pk=pk) for x, pk in zip(xs, packs)]
                 slots.release(u)
         return xs, w, we

@@ -13,29 +13,9 @@ from __future__ import annotations
 from ray.util.metrics import Counter, Gauge
 
 from megaray.machine import in_use, meminfo
+from megaray.step import SHARD_GAUGES, STEP_COUNTERS, STEP_GAUGES  # noqa: F401  (the actors' metric names)
 
 TAG_KEYS = ("run", "actor")
-
-STEP_GAUGES = {   # per-step values: metrics.jsonl, TensorBoard train/<name>, ray_megaray_<name>
-    "loss": "Training loss of the last step",
-    "learning_rate": "Learning rate of the last step",
-    "grad_norm": "Global gradient norm of the last step, before clipping (-1 for a skipped step)",
-    "tokens_per_second": "Training tokens per second over the last step",
-    "step_time_seconds": "Wall time of the last training step",
-    "tflops": "Model TFLOP/s of the last step (ARCHITECTURE.md formula; each document's own attention work)",
-    "gpu_idle_seconds": "Time in the last step the GPU did no compute",
-    "exposed_optimizer_seconds": "Time the worker waited for optimizer updates in the last step",
-    "copy_in_gbps": "Host-to-device weight staging rate of the last step, GB/s",
-    "copy_out_gbps": "Device-to-host gradient rate of the last step, GB/s",
-    "node_memory_used_bytes": "Host memory in use on the run's node (all processes, not only the run's)",
-    "gpu_memory_peak_bytes": "Peak device memory of the worker in the last step",
-    "skipped_steps": "Steps skipped so far for a non-finite loss or gradient (exported from the first step)",
-}
-STEP_COUNTERS = {"steps_total": "Training steps completed", "tokens_total": "Training tokens processed"}
-SHARD_GAUGES = {
-    "optimizer_seconds": "Time this optimizer shard spent updating in its last step",
-    "optimizer_params_per_second": "This shard's AdamW update rate in its last step",
-}
 
 
 class RunMetrics:

@@ -32,9 +32,10 @@ import torch
 from megaray.adamw import AdamW, update_piece, writes_clipped_gradient
 from megaray.buffers import DTYPES, Handles, RunBuffers
 from megaray.checkpoint import Checkpoint, PartWriter
+from megaray.clipping import applies_at_once
 from megaray.config import RunConfig
-from megaray.errors import ActorFailure, RunAborted
 
+from .calls import actor_guard
 from .metrics import SHARD_GAUGES, RunMetrics
 
 
@@ -80,13 +81,8 @@ class OptimizerShard:
         the gradients), "grad_wait_s": of which for gradients once the verdict was known,
         "span_s": from the verdict to the last piece's release, "params": parameters updated,
         "skipped": bool}."""
-        try:
+        with actor_guard(self.name, step, self.buf.control.abort):
             return self._apply(step, lr)
-        except RunAborted as e:
-            raise ActorFailure(self.name, str(e), step, aborted=True) from None
-        except Exception as e:
-            self.buf.control.abort()
-            raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
 
     def _apply(self, step: int, lr: float) -> dict:
         timeout = self.cfg.worker.wait_timeout_s
@@ -95,7 +91,7 @@ class OptimizerShard:
             return out
         control = self.buf.control
         host = self.h.grad_placement == "host"
-        at_once = host and self.cfg.optim.clip_grad_norm is None     # no norm to wait for
+        at_once = applies_at_once(self.cfg.optim, self.h.grad_placement)    # no norm to wait for
         coef = 1.0
         if not at_once:
             applied, out["wait_s"] = control.wait_verdict(step, timeout)
@@ -138,8 +134,7 @@ class OptimizerShard:
     def save(self, folder: str, k: int) -> dict:
         """Write this shard's moments as ``optim-<k>.bin``, each range with its Adam step."""
         name = f"optim-{k}.bin"
-        w = PartWriter(Path(folder) / name)
-        try:
+        with PartWriter(Path(folder) / name) as w:
             entries = []
             for i in self.pieces:
                 p = self.h.pieces[i]
@@ -147,9 +142,6 @@ class OptimizerShard:
                 w.write(self.v[i])
                 entries.append([p.unit, p.start, p.stop, self.steps[i], at])
             return {name: {**w.finish(), "moments": entries}}
-        except BaseException:
-            w.abort()
-            raise
 
     def load(self, folder: str) -> None:
         """Read the moments of this shard's pieces from whichever parts hold their ranges."""

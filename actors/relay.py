@@ -20,7 +20,10 @@ import torch
 
 from megaray.buffers import Handles, RunBuffers
 from megaray.config import RunConfig
-from megaray.errors import ActorFailure, RunAborted
+from megaray.step import CopyOut
+
+from .calls import actor_guard
+from .shipping import put_pieces
 
 
 class WeightRelay:
@@ -30,13 +33,8 @@ class WeightRelay:
         self.buf = RunBuffers(handles, kinds=("master", "compute", "ring", "control"))
 
     def _guard(self, fn, step):
-        try:
+        with actor_guard(self.name, step, self.buf.control.abort):
             return fn()
-        except RunAborted as e:
-            raise ActorFailure(self.name, str(e), step, aborted=True) from None
-        except Exception as e:
-            self.buf.control.abort()
-            raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
 
     def unit(self, u: int, step: int) -> torch.Tensor:
         """Unit u's compute weights as of ``step`` steps (a copy: it leaves through the object store)."""
@@ -47,16 +45,11 @@ class WeightRelay:
             return self.buf.compute(u).clone()
         return self._guard(get, step)
 
-    def ship(self, step: int, grads: list) -> dict:
+    def ship(self, step: int, grads: list) -> CopyOut:
         """Step ``step`` is applied: every piece of ``grads`` (one flat fp32 tensor a unit) into its slab."""
         def put():
             self.buf.control.decide(step, True)
-            waited = 0.0
-            for piece in self.h.pieces:
-                src = grads[piece.unit][piece.start:piece.stop]
-                waited += self.buf.ring.put(piece, step, lambda dst, src=src: dst.copy_(src),
-                                            self.cfg.worker.wait_timeout_s)
-            return {"wait_slab_s": waited, "copy_out_bytes": 4 * sum(p.numel for p in self.h.pieces)}
+            return put_pieces(self.buf, step, grads, self.cfg.worker.wait_timeout_s)
         return self._guard(put, step)
 
     def decide(self, step: int, apply: bool) -> None:
@@ -64,7 +57,7 @@ class WeightRelay:
 
     def version(self) -> int:
         """The step every unit's weights are at, at least."""
-        return min(self.buf.control.versions(self.h.unit_pieces(u)) for u in self.h.streamed)
+        return self.buf.streamed_version()
 
     def abort(self) -> None:
         self.buf.control.abort()

@@ -1,4 +1,4 @@
-"""Resident units (``optim.placement`` N): the training state of the first N units in forward
+"""Resident units (``optim.resident_units`` N): the training state of the first N units in forward
 order (the embedding, then the first blocks) on the worker's device.
 
 A resident unit keeps its fp32 master, its Adam moments and (within a step) its fp32
@@ -32,11 +32,12 @@ import torch
 from megaray.adamw import AdamW, piece_decay, update_piece
 from megaray.buffers import DTYPES, Handles
 from megaray.checkpoint import Checkpoint, PartWriter
+from megaray.clipping import applies_at_once
 from megaray.config import RunConfig
 from megaray.hf.read import load_into
 from megaray.layout import cut_pieces
+from megaray.lr_schedule import lr_at
 from megaray.model import init_params
-from megaray.schedule import lr_at
 
 from .device import Device
 
@@ -75,7 +76,7 @@ class ResidentUnits:
         dropped once used): all of them when the step is applied, or, with the gradients in
         host memory and clipping off, each whose own gradient is finite (``finite``)."""
         o, host = self.cfg.optim, self.h.grad_placement == "host"
-        at_once = host and o.clip_grad_norm is None
+        at_once = applies_at_once(o, self.h.grad_placement)
         if not self.units or not (applied or at_once):
             return
         lr = lr_at(step, o, self.cfg.train.steps)
@@ -143,8 +144,7 @@ class ResidentUnits:
         """Write the resident masters and moments as ``resident.bin``, in the store's and the
         shards' formats."""
         name = "resident.bin"
-        w = PartWriter(Path(folder) / name)
-        try:
+        with PartWriter(Path(folder) / name) as w:
             masters, moments = [], []
             for u in self.units:          # piece by piece: one piece at a time in host memory
                 for p in self.pieces[u]:
@@ -154,9 +154,6 @@ class ResidentUnits:
                     w.write(self.v[u][sl].cpu())
                     moments.append([u, p.start, p.stop, self.steps[(u, p.start)], at])
             return {name: {**w.finish(), "master": masters, "moments": moments}}
-        except BaseException:
-            w.abort()
-            raise
 
     def load(self, folder: str) -> None:
         """The resident masters and moments from whichever parts hold their ranges (the

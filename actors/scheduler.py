@@ -29,15 +29,14 @@ import asyncio
 import enum
 import time
 
-import numpy as np
 import ray
 
 from megaray.buffers import Handles, RunBuffers
 from megaray.config import RunConfig
-from megaray.data import square_document_lengths, targets_kept
 from megaray.errors import ActorFailure
+from megaray.lr_schedule import lr_at
 from megaray.model import flops_per_step
-from megaray.schedule import lr_at
+from megaray.step import Batch, EvalResult, StepResult
 
 from .metrics import STEP_COUNTERS, STEP_GAUGES, RunMetrics, node_memory_used_bytes
 
@@ -113,50 +112,51 @@ class Scheduler:
                 raise _as_failure(label, e) from None
         return out
 
-    async def train_step(self, step: int, tokens) -> dict:
+    async def train_step(self, step: int, batch: Batch) -> dict:
+        """Step ``step`` on ``batch``: its metrics row (the previous step's updates collected)."""
         t0 = time.perf_counter()
         lr = lr_at(step, self.cfg.optim, self.cfg.train.steps)
         self.phase = Phase.COMPUTE
         prev = self._pending
         applies = [(n, s.apply.remote(step, lr)) for n, s in zip(self.shard_names, self.shards)]
         if len(self.workers) == 1:
-            ref, others = self.worker.run_step.remote(step, tokens), []
+            ref, others = self.worker.run_step.remote(step, batch), []
         else:
-            shares = _shares(tokens, len(self.workers))
-            total = _target_tokens(tokens)
+            shares = batch.shares(len(self.workers))
+            total = batch.target_tokens()
             ref = self.worker.run_step.remote(step, shares[0], total)
             others = [(f"worker-{r}", w.run_step.remote(step, shares[r], total))
                       for r, w in enumerate(self.workers[1:], 1)]
         self._current = [("worker", ref)] + others + applies
-        res = await self._await_all(("worker", ref), lambda: prev + applies + others)
+        res: StepResult = await self._await_all(("worker", ref), lambda: prev + applies + others)
         await self._collect(others)
         # The previous step's updates have all finished (the worker waited for their
         # versions); collect them, so a failure among them is reported, never dropped.
         done = await self._collect(prev)
         self._pending = applies
         self.phase = Phase.APPLY
-        norm, finite, coef = res["grad_norm"], res["applied"], res["clip_coef"]
+        norm, finite, coef = res.grad_norm, res.applied, res.clip_coef
         self.counters["steps"] += 1
-        self.counters["tokens"] += res["tokens"]
+        self.counters["tokens"] += res.tokens
         self.counters["skipped_steps"] += 0 if finite else 1
         dt = time.perf_counter() - t0
         tokens_per_step = self.cfg.train.tokens_per_step
         metrics = {
-            "step": step + 1, "loss": res["loss_sum"] / max(res["tokens"], 1), "learning_rate": lr,
+            "step": step + 1, "loss": res.loss, "learning_rate": lr,
             "grad_norm": norm if finite else -1.0, "clip_coefficient": coef, "skipped": not finite,
-            "tokens": res["tokens"], "step_time_seconds": dt, "tokens_per_second": res["tokens"] / dt,
+            "tokens": res.tokens, "step_time_seconds": dt, "tokens_per_second": res.tokens / dt,
             "tflops": flops_per_step(self.cfg.model, tokens_per_step, self.cfg.train.seq_len,
-                                     square_document_lengths(tokens)) / dt / 1e12,
-            "gpu_idle_seconds": max(0.0, dt - res.get("compute_s", 0.0)),
-            "exposed_optimizer_seconds": res.get("wait_optimizer_s", 0.0),
-            "copy_in_gbps": res.get("copy_in_bytes", 0) / max(res.get("copy_in_s", 0), 1e-9) / 1e9,
-            "copy_out_gbps": res.get("copy_out_bytes", 0) / max(res.get("copy_out_s", 0), 1e-9) / 1e9,
+                                     batch.square_document_lengths()) / dt / 1e12,
+            "gpu_idle_seconds": max(0.0, dt - res.times.compute_s),
+            "exposed_optimizer_seconds": res.times.wait_optimizer_s,
+            "copy_in_gbps": res.times.copy_in_bytes / max(res.times.copy_in_s, 1e-9) / 1e9,
+            "copy_out_gbps": res.times.copy_out_bytes / max(res.times.copy_out_s, 1e-9) / 1e9,
             "node_memory_used_bytes": node_memory_used_bytes(),
-            "gpu_memory_peak_bytes": res.get("gpu_peak_bytes", 0),
+            "gpu_memory_peak_bytes": res.gpu_peak_bytes,
             "skipped_steps": self.counters["skipped_steps"],
         }
         self.metrics.set(**{k: metrics[k] for k in STEP_GAUGES})
-        self.metrics.inc(steps_total=1, tokens_total=res["tokens"])
+        self.metrics.inc(steps_total=1, tokens_total=res.tokens)
         worked = [d for d in done if d["update_s"] > 0]
         if worked:   # the previous step's updates, summed over the shards (each shard exports its own)
             metrics["optimizer_params_per_second_all_shards"] = sum(d["params"] / d["update_s"] for d in worked)
@@ -165,15 +165,14 @@ class Scheduler:
             metrics["optimizer_span_seconds_slowest_shard"] = max(d["span_s"] for d in worked)
             metrics["optimizer_gradient_wait_seconds_mean_shard"] = sum(d["grad_wait_s"] for d in worked) / len(worked)
             metrics["optimizer_gradient_wait_seconds_most_shard"] = max(d["grad_wait_s"] for d in worked)
-        metrics.update({f"worker/{k}": v for k, v in res.items()
-                        if k not in ("loss_sum", "tokens", "grad_norm", "clip_coef", "applied")})
+        metrics.update(res.metrics())
         return metrics
 
-    async def evaluate(self, step: int, tokens) -> float:
-        ref = self.worker.evaluate.remote(step, tokens)
+    async def evaluate(self, step: int, batch: Batch) -> float:
+        ref = self.worker.evaluate.remote(step, batch)
         self._current = [("worker", ref)]
-        res = await self._await_all(("worker", ref), lambda: self._pending)
-        return res["loss_sum"] / max(res["tokens"], 1)
+        res: EvalResult = await self._await_all(("worker", ref), lambda: self._pending)
+        return res.loss
 
     async def drain(self) -> None:
         """Wait for every outstanding optimizer update."""
@@ -200,25 +199,6 @@ class Scheduler:
     def set_counters(self, counters: dict) -> None:
         """Restore the counters of a resumed run."""
         self.counters.update({k: counters[k] for k in self.counters if k in counters})
-
-
-def _shares(batch, n: int) -> list:
-    """Split a step's micro-batches [M, ...] (or a {"tokens", "loss_mask", "doc"} of them) into n
-    contiguous, equal shares."""
-    if isinstance(batch, dict):
-        parts = {k: _shares(v, n) for k, v in batch.items()}
-        return [{k: parts[k][r] for k in batch} for r in range(n)]
-    m = len(batch) // n
-    return [batch[r * m:(r + 1) * m] for r in range(n)]
-
-
-def _target_tokens(batch) -> int:
-    """Target tokens of a whole step (those its loss counts: ``data.targets_kept``)."""
-    keep = targets_kept(batch)
-    if keep is not None:
-        return int(keep.sum())
-    toks = np.asarray(batch["tokens"] if isinstance(batch, dict) else batch)
-    return int(np.prod(toks.shape[:-1])) * (toks.shape[-1] - 1)
 
 
 def _as_failure(label: str, exc: BaseException) -> ActorFailure:

@@ -29,9 +29,35 @@ import torch
 from megaray.buffers import DTYPES, Handles, RunBuffers
 from megaray.config import RunConfig
 from megaray.errors import RunAborted
+from megaray.step import CopyOut
 
 from .calls import get_or_raise
 from .device import Device, StepClock
+
+
+def put_pieces(buf: RunBuffers, step: int, grads: list, timeout: float, copy=None) -> CopyOut:
+    """Every piece of ``grads`` (one flat tensor a unit) into its ring slab, in forward order,
+    each handed to its shard as soon as ``copy(dst, src)`` (default: a plain copy) returns;
+    a unit's gradient is dropped from ``grads`` once its last piece has left (on the GPU its
+    memory goes back then). The worker's copy-out thread and the relay both ship this way."""
+    h, st = buf.h, CopyOut()
+    last = {p.unit: p.index for p in h.pieces}
+    for piece in h.pieces:
+        src = grads[piece.unit][piece.start:piece.stop]
+
+        def timed(dst, src=src):
+            t0 = time.perf_counter()
+            if copy is None:
+                dst.copy_(src)
+            else:
+                copy(dst, src)
+            st.copy_out_s += time.perf_counter() - t0
+
+        st.wait_slab_s += buf.ring.put(piece, step, timed, timeout)
+        st.copy_out_bytes += DTYPES[h.grad_dtype].itemsize * piece.numel
+        if last[piece.unit] == piece.index:
+            grads[piece.unit] = None
+    return st
 
 
 class GradientShipper:
@@ -44,7 +70,7 @@ class GradientShipper:
                 dev.pin(region, "the host gradient buffer" if self.host else "the gradient ring")
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="copy-out")
         self._futures: list[Future] = []            # gradients leaving (the previous step's, or this one's units)
-        self._stats: list[dict] = []                # copy-out statistics of finished steps
+        self._stats: list[CopyOut] = []             # copy-out statistics of finished steps
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
@@ -92,8 +118,8 @@ class GradientShipper:
             else:
                 self.buf.grad(u).copy_(g)
             finite = math.isfinite(float(sq))
-            st = {"copy_out_s": time.perf_counter() - t0,
-                  "copy_out_bytes": self.buf.grad(u).numel() * self.buf.grad(u).element_size()}
+            st = CopyOut(copy_out_s=time.perf_counter() - t0,
+                         copy_out_bytes=self.buf.grad(u).numel() * self.buf.grad(u).element_size())
             for p in self.h.unit_pieces(u):
                 self.buf.host_grads.publish(self.h.pieces[p], step, finite)
             self._stats.append(st)
@@ -105,12 +131,11 @@ class GradientShipper:
         """Publish the verdict of a step whose gradients went to host memory (the shards apply ``coef``)."""
         self.buf.control.decide(step, applied, coef)
 
-    def finished_stats(self) -> dict:
+    def finished_stats(self) -> CopyOut:
         """Copy-out statistics of the steps whose gradients have left since the last call."""
-        out: dict = {}
+        out = CopyOut()
         while self._stats:
-            for k, v in self._stats.pop(0).items():
-                out[k] = out.get(k, 0.0) + v
+            out += self._stats.pop(0)
         return out
 
     def ship(self, step: int, grads: list, coef: float, clock: StepClock) -> None:
@@ -146,39 +171,27 @@ class GradientShipper:
     def _ship_local(self, step: int, grads: list, ready) -> None:
         """Copy-out thread: every piece into its ring slab, in forward order; each slab is
         handed to its shard as soon as its copy has landed."""
-        st = {"wait_slab_s": 0.0, "copy_out_s": 0.0, "copy_out_bytes": 0}
-        cuda, out = self.dev.cuda, self.dev.out_stream if self.dev.cuda else None
         try:
             if ready is not None:
-                out.wait_event(ready)
-            last = {p.unit: p.index for p in self.h.pieces}
-            for piece in self.h.pieces:
-                src = grads[piece.unit][piece.start:piece.stop]
-
-                def copy(dst, src=src):
-                    t0 = time.perf_counter()
-                    if cuda:
-                        with torch.cuda.stream(out):
-                            dst.copy_(src, non_blocking=True)
-                        out.synchronize()       # landed before the shard may read it
-                    else:
-                        dst.copy_(src)
-                    st["copy_out_s"] += time.perf_counter() - t0
-
-                st["wait_slab_s"] += self.buf.ring.put(piece, step, copy, self.cfg.worker.wait_timeout_s)
-                st["copy_out_bytes"] += DTYPES[self.h.grad_dtype].itemsize * piece.numel
-                if last[piece.unit] == piece.index:
-                    grads[piece.unit] = None                # its device memory goes back now
-            self._stats.append(st)
+                self.dev.out_stream.wait_event(ready)
+            copy = self._copy_landed if self.dev.cuda else None
+            self._stats.append(put_pieces(self.buf, step, grads, self.cfg.worker.wait_timeout_s, copy))
         except RunAborted:
             raise
         except BaseException:
             self.abort()
             raise
 
+    def _copy_landed(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One piece to its slab on the copy-out stream, landed before the shard may read it."""
+        out = self.dev.out_stream
+        with torch.cuda.stream(out):
+            dst.copy_(src, non_blocking=True)
+        out.synchronize()
+
     def _ship_remote(self, step: int, grads: list) -> None:
         """Copy-out thread of a worker on another node: the step's gradients to the relay."""
         t0 = time.perf_counter()
-        st = get_or_raise(self.relay.ship.remote(step, grads), "relay")
-        st["copy_out_s"] = time.perf_counter() - t0
+        st: CopyOut = get_or_raise(self.relay.ship.remote(step, grads), "relay")
+        st.copy_out_s = time.perf_counter() - t0
         self._stats.append(st)

@@ -29,10 +29,11 @@ import torch
 
 from megaray.buffers import Handles, RunBuffers
 from megaray.config import RunConfig
-from megaray.layout import bind
+from megaray.layout import DTYPES, bind
+from megaray.step import WorkerTimes
 
 from .calls import get_or_raise
-from .device import Device, StepClock, StepTimer
+from .device import Device, StepClock
 
 
 class SharedSource:
@@ -53,7 +54,7 @@ class SharedSource:
                                                           f"{step}", self.cfg.worker.wait_timeout_s)
 
     def version(self) -> int:
-        return min(self.buf.control.versions(self.h.unit_pieces(u)) for u in self.h.streamed)
+        return self.buf.streamed_version()
 
 
 class RelaySource:
@@ -95,7 +96,7 @@ class WeightSlots:
         self.resident = resident           # resident units' compute copies stand in for slots
         self.resident_units = frozenset(resident.units if resident is not None else ())
         self.units = h.units
-        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.train.compute_dtype]
+        self.dtype = DTYPES[cfg.train.compute_dtype]
         block_numel = self.units[1].numel if len(self.units) > 2 else 0
         self.slots = {"head": dev.empty(self.units[-1].numel, self.dtype),
                       "block0": dev.empty(block_numel, self.dtype), "block1": dev.empty(block_numel, self.dtype)}
@@ -147,7 +148,7 @@ class WeightSlots:
             flat = flat.detach().requires_grad_()
         return flat, bind(flat, self.units[u])
 
-    def stage(self, u: int, step: int, timer: StepTimer, clock: StepClock) -> Future:
+    def stage(self, u: int, step: int, times: WorkerTimes, clock: StepClock) -> Future:
         """Start bringing unit u's compute weights (as of step ``step``) into its slot (a
         resident unit's are on the device already: updated in order on the compute stream)."""
         if u in self.resident_units:
@@ -164,15 +165,15 @@ class WeightSlots:
 
         def work():
             src, parts, waited = self.source.parts(u, step)
-            timer.add("copy_in_bytes", src.numel() * src.element_size())
+            times.copy_in_bytes += src.numel() * src.element_size()
             if self.dev.cuda and free_ev is not None:
                 self.dev.copy_stream.wait_event(free_ev)
             ev = None
             for piece, a, b in parts:
                 if piece is not None:
                     waited += self.source.wait_piece(piece, u, step)
-                ev = self.copy_in_range(dst[a:b], src[a:b], timer, clock)
-            timer.add("wait_optimizer_s", waited)
+                ev = self.copy_in_range(dst[a:b], src[a:b], times, clock)
+            times.wait_optimizer_s += waited
             clock.waited_for_optimizer(u, waited)
             return ev
 
@@ -180,11 +181,11 @@ class WeightSlots:
         self.holds[slot] = (u, step, fut)
         return fut
 
-    def ready(self, fut: Future, timer: StepTimer) -> None:
+    def ready(self, fut: Future, times: WorkerTimes) -> None:
         """The compute stream waits for a staged unit."""
         t0 = time.perf_counter()
         self.dev.compute_waits(fut.result())
-        timer.add("wait_copy_in_s", time.perf_counter() - t0)
+        times.wait_copy_in_s += time.perf_counter() - t0
 
     def release(self, u: int) -> None:
         """Compute issued so far has finished reading unit u's slot before it is refilled."""
@@ -200,7 +201,7 @@ class WeightSlots:
         """The slot's contents were overwritten outside staging (the link measurement)."""
         self.holds.pop(slot, None)
 
-    def copy_in_range(self, dst: torch.Tensor, src: torch.Tensor, timer: StepTimer, clock: StepClock | None):
+    def copy_in_range(self, dst: torch.Tensor, src: torch.Tensor, times: WorkerTimes, clock: StepClock | None):
         """Copy host ``src`` into device ``dst``; on CUDA on the copy stream, returning the
         event after it. A source in another dtype (the fp32 master, ``optim.compute_copy``
         device) crosses the link as it is, one slab at a time into an fp32 staging buffer,
@@ -209,7 +210,7 @@ class WeightSlots:
         if not dev.cuda:
             t0 = time.perf_counter()
             dst.copy_(src)
-            timer.add("copy_in_s", time.perf_counter() - t0)
+            times.copy_in_s += time.perf_counter() - t0
             return None
         with torch.cuda.stream(dev.copy_stream):
             start, ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -96,13 +96,9 @@ class ParameterStore:
     def save(self, folder: str) -> dict:
         """Write every streamed unit's master weights, unit after unit, as ``master.bin`` (the
         worker writes the resident units')."""
-        w = PartWriter(Path(folder) / "master.bin")
-        try:
+        with PartWriter(Path(folder) / "master.bin") as w:
             entries = [[u, 0, self.h.units[u].numel, w.write(self.buf.master(u))] for u in self.h.streamed]
             return {"master.bin": {**w.finish(), "master": entries}}
-        except BaseException:
-            w.abort()
-            raise
 
     def load(self, folder: str) -> None:
         """Read every streamed unit's master weights (verifying each block), refresh the

@@ -37,9 +37,8 @@ import torch
 from megaray import fused, memory
 from megaray.attention import packing
 from megaray.buffers import DTYPES, Handles, RunBuffers
+from megaray.clipping import clip_coefficient, square_norm
 from megaray.config import RunConfig
-from megaray.data import split_batch, targets_kept
-from megaray.errors import ActorFailure, RunAborted
 from megaray.layout import bind
 from megaray.model import (
     IGNORE_INDEX,
@@ -48,15 +47,17 @@ from megaray.model import (
     head_loss_and_grads,
     rope_tables,
 )
-from megaray.schedule import clip_coefficient, square_norm
+from megaray.step import Batch, StepResult, WorkerTimes
 
 from .activations import ActivationPolicy
-from .device import Device, StepClock, StepTimer
+from .calls import actor_guard
+from .device import Device, StepClock
 from .forward_only import ForwardOnly
 from .group import DataParallelGroup
 from .resident import ResidentUnits
 from .shipping import GradientShipper
 from .staging import RelaySource, SharedSource, WeightSlots
+from .step_state import KeptBlock, StepState
 
 
 class GpuWorker(ForwardOnly):
@@ -65,7 +66,7 @@ class GpuWorker(ForwardOnly):
         torch.set_num_threads(cfg.worker.threads)
         fused.configure(cfg.worker.fuse_elementwise)
         self.cfg, self.h, self.name, self.mcfg = cfg, handles, name, cfg.model
-        self.units, self.L = handles.units, cfg.model.num_hidden_layers
+        self.units, self.num_blocks = handles.units, cfg.model.num_hidden_layers
         cap = cfg.worker.gpu_memory_gib
         self.dev = Device(device, None if cap is None else int(cap * 2**30))
         self.group = DataParallelGroup(rank, world, self.dev, cfg.worker.wait_timeout_s)
@@ -74,7 +75,7 @@ class GpuWorker(ForwardOnly):
         self.resident = ResidentUnits(cfg, handles, self.dev) if handles.resident else None
         self.slots = WeightSlots(cfg, handles, self.dev, source, self.resident)
         dtype = DTYPES[cfg.train.compute_dtype]
-        self.acts = ActivationPolicy(cfg, self.dev, self.units[1].numel if self.L else 0, dtype,
+        self.acts = ActivationPolicy(cfg, self.dev, self.units[1].numel if self.num_blocks else 0, dtype,
                                      handles.slab_bytes if handles.cast_on_device else 0)
         self.shipper = GradientShipper(cfg, handles, self.dev, self.buf, relay)
         self.rope = rope_tables(self.mcfg, self.mcfg.max_position_embeddings, self.dev.device, torch.float32)
@@ -86,7 +87,8 @@ class GpuWorker(ForwardOnly):
             return f"GpuWorker({self.name!r}, not started)"
         res = len(self.h.resident)
         return (f"GpuWorker(rank {self.group.rank} of {self.group.world} on {self.dev.device}, "
-                f"{self.L - res} blocks of {self.units[1].numel / 1e6 if self.L else 0:.1f}M params streamed"
+                f"{self.num_blocks - res} blocks of "
+                f"{self.units[1].numel / 1e6 if self.num_blocks else 0:.1f}M params streamed"
                 + (f", {res} resident)" if res else ")"))
 
     def close(self) -> None:
@@ -105,231 +107,212 @@ class GpuWorker(ForwardOnly):
         self.group.join(addr, port)
 
     # ------------------------------------------------------------------ steps
-    def run_step(self, step: int, tokens: np.ndarray, total_tokens: int | None = None) -> dict:
-        """Forward and backward of one step over tokens [micro_batches, batch, seq + 1]: the
+    def run_step(self, step: int, batch: Batch, total_tokens: int | None = None) -> StepResult:
+        """Forward and backward of one step over ``batch`` [micro_batches, rows, seq + 1]: the
         whole step's, or with several workers this worker's share of its micro-batches and the
         count of target tokens in the whole step (the loss is divided by it)."""
-        try:
-            return self._run_step(step, tokens, total_tokens)
-        except RunAborted as e:
-            why = self.shipper.error()
-            raise ActorFailure(self.name, why or str(e), step, aborted=why is None) from None
-        except Exception as e:
-            self.shipper.abort()
-            raise ActorFailure(self.name, f"{type(e).__name__}: {e}", step) from e
+        with actor_guard(self.name, step, self.shipper.abort, cause=self.shipper.error):
+            return self._run_step(step, batch, total_tokens)
 
-    def _run_step(self, step: int, tokens: np.ndarray, total_tokens: int | None) -> dict:
+    def _run_step(self, step: int, batch: Batch, total_tokens: int | None) -> StepResult:
         t_start = time.perf_counter()
         self.shipper.check_previous()           # raise the previous step's copy-out failure, if any
-        timer, clock = StepTimer(), StepClock(self.dev)
         if self.dev.cuda:
             torch.cuda.reset_peak_memory_stats(self.dev.device)
-        inputs, targets, packs = self._inputs_targets(tokens)
-        n_tokens = int((targets != IGNORE_INDEX).sum()) if total_tokens is None else total_tokens
-        inv_n = 1.0 / max(n_tokens, 1)
-
-        grads: list = [None] * len(self.units)
-        sq: list = [None] * len(self.units)          # each unit's squared gradient norm, on the device
-        acts, kept, nxt = self._forward(step, inputs, packs, timer, clock)
-        dys, g_embed, loss_sum, nxt = self._head(step, acts, kept, targets, inv_n, nxt, grads, sq, timer, clock)
-        self._backward(step, inputs, acts, kept, dys, g_embed, nxt, grads, sq, timer, clock)
-        out = self._decide_and_ship(step, grads, sq, loss_sum, timer, clock)
+        st = self._begin(step, batch, total_tokens)
+        self._forward(st)
+        self._head(st)
+        self._backward(st)
+        res = self._decide_and_ship(st)
 
         self.dev.wait_compute_and_copy_in()          # for the events' times; copy-out runs on
-        for k, v in clock.gpu_time().items():
-            timer.add(k, v)
-        out.update(tokens=n_tokens, kept_blocks=self.L - kept["keep_from"], kept_block_bytes=self.acts.kept_block_bytes,
-                   kept_plain=float(not kept["lean"]), offloaded_inputs=kept["offloaded"],
-                   input_stride=self.acts.stride,
-                   worker_s=time.perf_counter() - t_start)
-        out.update(timer.t)
-        for k, v in self.shipper.finished_stats().items():   # the previous step's copy-out (during this forward)
-            out[k] = out.get(k, 0.0) + v
+        st.clock.add_gpu_time(st.times)
+        st.times += self.shipper.finished_stats()    # the previous step's copy-out (during this forward)
+        res.kept_blocks, res.kept_block_bytes = self.num_blocks - st.keep_from, self.acts.kept_block_bytes
+        res.kept_plain, res.offloaded_inputs, res.input_stride = not st.lean, st.offloaded, self.acts.stride
+        res.worker_s = time.perf_counter() - t_start
         if self.dev.cuda:
-            out["fused_elementwise"] = float(fused.active())     # false: off, or compiling failed (logged)
-            out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(self.dev.device)
-            self.acts.adapt(out["gpu_peak_bytes"])
-        return out
+            res.fused_elementwise = fused.active()      # false: off, or compiling failed (logged)
+            res.gpu_peak_bytes = torch.cuda.max_memory_allocated(self.dev.device)
+            self.acts.adapt(res.gpu_peak_bytes)
+        return res
 
-    def _forward(self, step: int, inputs, packs: list, timer: StepTimer, clock: StepClock):
+    def _begin(self, step: int, batch: Batch, total_tokens: int | None) -> StepState:
+        """The step's inputs and targets on the device, and what the activation policy keeps."""
+        inputs, targets, packs = self._inputs_targets(batch)
+        tokens = int((targets != IGNORE_INDEX).sum()) if total_tokens is None else total_tokens
+        policy = self.acts
+        keep_from = self.num_blocks - policy.keep_count()
+        return StepState(step=step, inputs=inputs, targets=targets, packs=packs, inv_tokens=1.0 / max(tokens, 1),
+                         tokens=tokens, times=WorkerTimes(), clock=StepClock(self.dev), num_units=len(self.units),
+                         keep_from=keep_from, offloaded=policy.offload_count(keep_from), lean=policy.lean,
+                         order=memory.recompute_order(keep_from, policy.stride))
+
+    def _forward(self, st: StepState) -> None:
         """Embedding and blocks, saving each block's input (every stride-th recomputed block's);
         the last blocks keep their internals."""
         t0 = time.perf_counter()
-        U, L, M = len(self.units), self.L, inputs.shape[0]
-        slots, acts_policy = self.slots, self.acts
+        units, blocks, micro = len(self.units), self.num_blocks, st.micro_batches
+        slots, policy, times, clock = self.slots, self.acts, st.times, st.clock
         slots.begin()
-        slots.ready(slots.stage(0, step, timer, clock), timer)
-        nxt = slots.stage(1 if L else U - 1, step, timer, clock)
-        acts: list[list[torch.Tensor]] = [[None] * M for _ in range(L + 1)]
-        keep_from = L - acts_policy.keep_count()
-        n_off = acts_policy.offload_count(keep_from)
-        stride = acts_policy.stride
-        # blocks: block -> (flat, views, [(x, y)]); packs: each micro-batch's documents, for the
-        # recomputation; order: the backward's passes over the recomputed blocks
-        kept = {"blocks": {}, "keep_from": keep_from, "offloaded": n_off, "packs": packs, "lean": acts_policy.lean,
-                "order": memory.recompute_order(keep_from, stride)}
+        slots.ready(slots.stage(0, st.step, times, clock), times)
+        st.staged = slots.stage(1 if blocks else units - 1, st.step, times, clock)
+        acts = st.acts = [[None] * micro for _ in range(blocks + 1)]
         mlp_chunk = self.cfg.train.mlp_chunk_tokens
         with torch.no_grad(), clock.span(0):
             _, we = slots.weights(0, grad=False)
-            for m in range(M):
-                acts[0][m] = embed_forward(we, inputs[m])
-        for i in range(L):
+            for m in range(micro):
+                acts[0][m] = embed_forward(we, st.inputs[m])
+        for i in range(blocks):
             u = i + 1
-            slots.ready(nxt, timer)
-            nxt = slots.stage(u + 1, step, timer, clock)           # next block, or the head
-            if i < keep_from:
+            slots.ready(st.staged, times)
+            st.staged = slots.stage(u + 1, st.step, times, clock)       # next block, or the head
+            if i < st.keep_from:
                 with torch.no_grad(), clock.span(u):
                     _, w = slots.weights(u, grad=False)
-                    for m in range(M):
+                    for m in range(micro):
                         acts[i + 1][m] = block_forward(w, acts[i][m], self.rope, self.mcfg, mlp_chunk,
-                                                       pk=packs[m])
-                if i % stride:              # rebuilt in the backward, from the saved input below
-                    acts[i] = [None] * M
-                elif i < n_off:
-                    acts_policy.host_buffer(n_off, acts[i][0], M)
-                    acts_policy.offload(i, acts, timer)
+                                                       pk=st.packs[m])
+                if i % policy.stride:       # rebuilt in the backward, from the saved input below
+                    acts[i] = [None] * micro
+                elif i < st.offloaded:
+                    policy.host_buffer(st.offloaded, acts[i][0], micro)
+                    policy.offload(i, acts, times)
             else:
                 # Keep this block's internals (and a private copy of its weights, since
                 # the slot is refilled) so its backward needs no recomputation.
-                buf = acts_policy.kept_buffer(i - keep_from)
+                buf = policy.kept_buffer(i - st.keep_from)
                 pairs = []
                 before = self.dev.memory_allocated()
                 with torch.enable_grad(), clock.span(u):
                     buf.copy_(slots.flat(u))
                     flat = buf.detach().requires_grad_()
                     w = bind(flat, self.units[u])
-                    for m in range(M):
+                    for m in range(micro):
                         x = acts[i][m].detach().requires_grad_()
-                        y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk, lean=acts_policy.lean,
-                                          pk=packs[m])
+                        y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk, lean=st.lean, pk=st.packs[m])
                         pairs.append((x, y))
                         acts[i + 1][m] = y.detach()
-                kept["blocks"][i] = (flat, w, pairs)
-                acts_policy.measure_kept_block(before, buf)
+                st.kept[i] = KeptBlock(flat, w, pairs)
+                policy.measure_kept_block(before, buf)
             slots.release(u)
-        timer.add("forward_s", time.perf_counter() - t0)
-        return acts, kept, nxt
+        times.forward_s += time.perf_counter() - t0
 
-    def _head(self, step: int, acts: list, kept: dict, targets, inv_n: float, nxt, grads: list, sq: list,
-              timer: StepTimer, clock: StepClock):
+    def _head(self, st: StepState) -> None:
         """The chunked loss, the head's gradient, and the gradient into the last block's output."""
         t0 = time.perf_counter()
-        U, L, M = len(self.units), self.L, len(acts[0])
-        slots = self.slots
-        slots.ready(nxt, timer)
-        if L and kept["keep_from"] == L:      # the backward's first block (still in its slot from the forward)
-            nxt = slots.stage(kept["order"][0][0] + 1, step, timer, clock)
+        head, blocks, slots = len(self.units) - 1, self.num_blocks, self.slots
+        slots.ready(st.staged, st.times)
+        if blocks and st.keep_from == blocks:   # the backward's first block (still in its slot from the forward)
+            st.staged = slots.stage(st.order[0][0] + 1, st.step, st.times, st.clock)
         tied = self.mcfg.tie_word_embeddings
-        g_head = self.dev.zeros(self.units[-1].numel)
-        g_embed = self.dev.zeros(self.units[0].numel)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.dev.device)
-        dys: list[torch.Tensor] = [None] * M
+        g_head = self.dev.zeros(self.units[head].numel)
+        st.g_embed = self.dev.zeros(self.units[0].numel)
+        st.loss_sum = torch.zeros((), dtype=torch.float64, device=self.dev.device)
+        st.dys = [None] * st.micro_batches
         chunk = self.cfg.train.loss_chunk_tokens
-        with clock.span(U - 1):
-            head_flat, wh = slots.weights(U - 1, grad=True)
+        with st.clock.span(head):
+            head_flat, wh = slots.weights(head, grad=True)
             emb_flat, we = slots.weights(0, grad=True) if tied else (None, None)
-            for m in range(M):
-                x = acts[L][m]
-                acts[L][m] = None
+            for m in range(st.micro_batches):
+                x = st.acts[blocks][m]
+                st.acts[blocks][m] = None
                 b, s, hdim = x.shape
-                xf, tf = x.reshape(b * s, hdim), targets[m].reshape(b * s)
+                xf, tf = x.reshape(b * s, hdim), st.targets[m].reshape(b * s)
                 dx = torch.empty_like(xf)
                 for c in range(0, b * s, chunk):
                     xc = xf[c:c + chunk].detach().requires_grad_()
                     ins = [head_flat, xc] + ([emb_flat] if tied else [])
-                    loss, gs = head_loss_and_grads(wh, we, xc, tf[c:c + chunk], self.mcfg, inv_n, ins)
+                    loss, gs = head_loss_and_grads(wh, we, xc, tf[c:c + chunk], self.mcfg, st.inv_tokens, ins)
                     g_head += gs[0]
                     dx[c:c + chunk] = gs[1]
                     if tied:
-                        g_embed += gs[2]
-                    loss_sum += loss.detach().double()
-                dys[m] = dx.view(b, s, hdim)
-        slots.release(U - 1)
-        self._gradient_done(step, U - 1, g_head, grads, sq, clock)
-        timer.add("head_s", time.perf_counter() - t0)
-        return dys, g_embed, loss_sum, nxt
+                        st.g_embed += gs[2]
+                    st.loss_sum += loss.detach().double()
+                st.dys[m] = dx.view(b, s, hdim)
+        slots.release(head)
+        self._gradient_done(st, head, g_head)
+        st.times.head_s += time.perf_counter() - t0
 
-    def _backward(self, step: int, inputs, acts: list, kept: dict, dys: list, g_embed, nxt, grads: list, sq: list,
-                  timer: StepTimer, clock: StepClock) -> None:
+    def _backward(self, st: StepState) -> None:
         """The blocks in reverse: the kept ones from their saved internals, then the others
         in ``memory.recompute_order`` (each recomputed from its input, rebuilt first where it
         was not saved); then the embedding's lookup gradient (plus the tied head's
         contribution)."""
         t0 = time.perf_counter()
-        L, M = self.L, len(dys)
-        slots, policy = self.slots, self.acts
-        keep_from, n_off, order = kept["keep_from"], kept["offloaded"], kept["order"]
+        slots, policy, acts, dys, order = self.slots, self.acts, st.acts, st.dys, st.order
         mlp_chunk = self.cfg.train.mlp_chunk_tokens
         # the first recomputed segment's saved input comes back from host memory first
-        fetched = policy.fetch(order[0][0], acts) if order and order[0][0] < n_off else None
-        for i in reversed(range(keep_from, L)):
+        fetched = policy.fetch(order[0][0], acts) if order and order[0][0] < st.offloaded else None
+        for i in reversed(range(st.keep_from, self.num_blocks)):
             u = i + 1
-            flat, w, pairs = kept["blocks"].pop(i)
-            if i == keep_from and order:
-                nxt = slots.stage(order[0][0] + 1, step, timer, clock)   # the first recomputed block
-            with clock.span(u):
+            kept = st.kept.pop(i)
+            if i == st.keep_from and order:
+                st.staged = slots.stage(order[0][0] + 1, st.step, st.times, st.clock)   # the first recomputed
+            with st.clock.span(u):
                 g = self.dev.zeros(self.units[u].numel)
-                for m, (x, y) in enumerate(pairs):
-                    dys[m] = self._block_backward(self.units[u], w, y, x, dys[m], g)
+                for m, (x, y) in enumerate(kept.pairs):
+                    dys[m] = self._block_backward(self.units[u], kept.weights, y, x, dys[m], g)
                     acts[i][m] = None
-            del pairs, flat, w
-            self._gradient_done(step, u, g, grads, sq, clock)
+            del kept
+            self._gradient_done(st, u, g)
         for k, (i, with_grad, _) in enumerate(order):
             u = i + 1
-            slots.ready(nxt, timer)
+            slots.ready(st.staged, st.times)
             after = order[k + 1] if k + 1 < len(order) else None
             if after is not None:
-                nxt = slots.stage(after[0] + 1, step, timer, clock)
+                st.staged = slots.stage(after[0] + 1, st.step, st.times, st.clock)
             self.dev.compute_waits(fetched)
             # the next segment's saved input, if it waits in host memory: back one pass ahead
-            fetched = policy.fetch(after[0], acts) if after is not None and after[2] and after[0] < n_off else None
+            fetched = (policy.fetch(after[0], acts) if after is not None and after[2] and after[0] < st.offloaded
+                       else None)
             if not with_grad:                   # rebuild the input of the block above
-                with torch.no_grad(), clock.span(u):
+                with torch.no_grad(), st.clock.span(u):
                     _, w = slots.weights(u, grad=False)
-                    for m in range(M):
+                    for m in range(st.micro_batches):
                         acts[i + 1][m] = block_forward(w, acts[i][m], self.rope, self.mcfg, mlp_chunk,
-                                                       pk=kept["packs"][m])
+                                                       pk=st.packs[m])
                 slots.release(u)
                 continue
-            with clock.span(u):
+            with st.clock.span(u):
                 g = self.dev.zeros(self.units[u].numel)
                 _, w = slots.weights(u, grad=True)
-                for m in range(M):
+                for m in range(st.micro_batches):
                     x = acts[i][m].detach().requires_grad_()
                     acts[i][m] = None
                     with torch.enable_grad():
                         y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk, lean=self.recompute_lean,
-                                          pk=kept["packs"][m])
+                                          pk=st.packs[m])
                         dys[m] = self._block_backward(self.units[u], w, y, x, dys[m], g)
             slots.release(u)
-            self._gradient_done(step, u, g, grads, sq, clock)
-        with clock.span(0):
+            self._gradient_done(st, u, g)
+        with st.clock.span(0):
             emb_flat, we = slots.weights(0, grad=True)
-            for m in range(M):
+            for m in range(st.micro_batches):
                 with torch.enable_grad():
-                    y = embed_forward(we, inputs[m])
+                    y = embed_forward(we, st.inputs[m])
                     (gw,) = torch.autograd.grad(y, [emb_flat], grad_outputs=dys[m])
-                g_embed += gw
+                st.g_embed += gw
         slots.release(0)
-        self._gradient_done(step, 0, g_embed, grads, sq, clock)
-        timer.add("backward_s", time.perf_counter() - t0)
+        self._gradient_done(st, 0, st.g_embed)
+        st.times.backward_s += time.perf_counter() - t0
 
-    def _gradient_done(self, step: int, u: int, g: torch.Tensor, grads: list, sq: list, clock: StepClock) -> None:
+    def _gradient_done(self, st: StepState, u: int, g: torch.Tensor) -> None:
         """Unit u's gradient of the step is final: it is summed over the data-parallel workers,
         then waits on the device for the norm (``optim.grad_placement`` device), or, its
         squared norm taken, leaves for host memory at once (host)."""
         if self.group.world > 1:
-            with clock.span(-1):
+            with st.clock.span(-1):
                 self.group.sum([g])
         if not self.shipper.host:
-            grads[u] = g
+            st.grads[u] = g
             return
-        with clock.span(-1):
-            sq[u] = square_norm(g)
+        with st.clock.span(-1):
+            st.sq[u] = square_norm(g)
         if self.resident is not None and u in self.resident:
-            grads[u] = g                                # stays for the worker's own update
+            st.grads[u] = g                             # stays for the worker's own update
         elif self.group.rank == 0:
-            self.shipper.ship_unit(step, u, g, sq[u])
+            self.shipper.ship_unit(st.step, u, g, st.sq[u])
 
     def _block_backward(self, unit, w: dict, y: torch.Tensor, x: torch.Tensor, dy: torch.Tensor,
                         g: torch.Tensor) -> torch.Tensor:
@@ -342,53 +325,51 @@ class GpuWorker(ForwardOnly):
             g[spec.offset:spec.offset + spec.numel] += gv.reshape(-1)
         return out[-1]
 
-    def _decide_and_ship(self, step: int, grads: list, sq: list, loss_sum: torch.Tensor, timer: StepTimer,
-                         clock: StepClock) -> dict:
+    def _decide_and_ship(self, st: StepState) -> StepResult:
         """The global norm (summed over the data-parallel workers first), the verdict, exact
         clipping, and the gradients' way out (rank 0 only)."""
         t0 = time.perf_counter()
-        host = self.shipper.host
+        host, clock = self.shipper.host, st.clock
         if self.group.world > 1:
             with clock.span(-1):
-                self.group.sum([], loss_sum)
+                self.group.sum([], st.loss_sum)
+        sq = st.sq
         if not host:
             with clock.span(-1):
-                sq = [square_norm(g) for g in grads]
+                sq = [square_norm(g) for g in st.grads]
         sq = torch.stack(sq).cpu()                          # waits for the backward to finish
-        loss_total = float(loss_sum)
+        loss_total = float(st.loss_sum)
         norm = math.sqrt(float(sq.sum()))
         finite = math.isfinite(norm) and math.isfinite(loss_total)
         coef = clip_coefficient(norm, self.cfg.optim.clip_grad_norm) if finite else 0.0
         if self.group.rank == 0:            # rank 0 decides the step and ships the (identical) sum
             if host:
-                self.shipper.decide(step, finite, coef)
+                self.shipper.decide(st.step, finite, coef)
             elif finite:
-                self.shipper.ship(step, grads, coef, clock)
+                self.shipper.ship(st.step, st.grads, coef, clock)
             else:
-                self.shipper.skip(step)
+                self.shipper.skip(st.step)
         if self.resident is not None:
             t1 = time.perf_counter()
             finite_units = {u: math.isfinite(float(sq[u])) for u in self.resident.units} if host else {}
             with clock.span(-1):
-                self.resident.update(step, grads, finite, coef, finite_units)
-            timer.add("resident_update_s", time.perf_counter() - t1)
-        timer.add("reduce_s", time.perf_counter() - t0)
-        return {"loss_sum": loss_total, "grad_norm": norm, "clip_coef": coef, "applied": finite}
+                self.resident.update(st.step, st.grads, finite, coef, finite_units)
+            st.times.resident_update_s += time.perf_counter() - t1
+        st.times.reduce_s += time.perf_counter() - t0
+        return StepResult(loss_sum=loss_total, tokens=st.tokens, grad_norm=norm, clip_coef=coef, applied=finite,
+                          times=st.times)
 
-    def _inputs_targets(self, batch) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """Inputs and targets of a batch [micro_batches, batch, seq + 1] (a token array, or
-        tokens with a loss mask and, with document attention, each token's document):
-        targets the loss leaves out (``data.targets_kept``) become IGNORE_INDEX; and each
-        micro-batch's Packing (None for causal attention)."""
-        tokens, _, doc = split_batch(batch)
-        toks = torch.tensor(np.asarray(tokens), dtype=torch.int64).to(self.dev.device)
+    def _inputs_targets(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """Inputs and targets of a batch: targets the loss leaves out (``Batch.targets_kept``)
+        become IGNORE_INDEX; and each micro-batch's Packing (None for causal attention)."""
+        toks = torch.tensor(np.asarray(batch.tokens), dtype=torch.int64).to(self.dev.device)
         targets = toks[..., 1:]
-        keep = targets_kept(batch)
+        keep = batch.targets_kept()
         if keep is not None:
             targets = targets.masked_fill(~torch.from_numpy(keep).to(self.dev.device), IGNORE_INDEX)
         packs = [None] * toks.shape[0]
-        if doc is not None:
-            d = torch.from_numpy(np.asarray(doc)[..., :-1]).to(self.dev.device)
+        if batch.doc is not None:
+            d = torch.from_numpy(np.asarray(batch.doc)[..., :-1]).to(self.dev.device)
             packs = [packing(d[m], self.mcfg.head_dim) for m in range(d.shape[0])]
         return toks[..., :-1], targets, packs
 
@@ -431,7 +412,7 @@ class GpuWorker(ForwardOnly):
             return (time.perf_counter() - t0) / repeats
 
         self.slots.forget("block0")                         # its contents are overwritten below
-        scratch = StepTimer()
+        scratch = WorkerTimes()
         t_in = timed(lambda: [self.slots.copy_in_range(dst[: u.numel], self.buf.compute(u.index), scratch, None)
                               for u in units])
         if self.shipper.host:                               # the units' own regions (overwritten by the next step)

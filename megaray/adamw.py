@@ -7,8 +7,8 @@ the host's bf16 compute copy when there is one, all in the same pass. Bytes move
 parameter: 28 with fp32 state and gradient (+2 with the compute copy), 26 with a bf16
 gradient, 18 with bf16 moments and gradient.
 
-Which code runs was chosen by measurement on the reference host (16 cores, BENCHMARKS.md,
-session 5), under one constraint: where the compute copy is made (``optim.compute_copy``)
+Which code runs was chosen by measurement on the reference host (16 cores, BENCHMARKS.md),
+under one constraint: where the compute copy is made (``optim.compute_copy``)
 must never change the training. With fp32 master, moments and gradient, torch's own fused
 AdamW (``torch._fused_adamw_``, already one pass: 6.2 G params/s over 16 processes against the
 C kernel's 4.6), and the host's bf16 copy, where there is one, in a second pass over the
@@ -86,19 +86,6 @@ def hyper(lr: float, betas: tuple[float, float], eps: float, weight_decay: float
                  beta2=_f32(b2), b2c=_f32(1.0 - b2), step_size=_f32(lr / (1.0 - b1 ** step)),
                  bc2_sqrt=_f32((1.0 - b2 ** step) ** 0.5), eps=_f32(eps), lr=lr, beta1=b1,
                  weight_decay=weight_decay, eps_raw=eps)
-
-
-def random_state(numel: int, master_dtype: str, grad_dtype: str, moment_dtype: str, copy: bool,
-                 seed: int = 0) -> tuple:
-    """(master, gradient, m, v, the bf16 copy or None) of ``numel`` parameters in the given
-    storage, random weights and gradient, zero moments: what the update benchmarks and the
-    start-up measurement of the shards' rate update."""
-    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    gen = torch.Generator().manual_seed(seed)
-    p = torch.randn(numel, generator=gen).to(dt[master_dtype])
-    g = torch.randn(numel, generator=gen).to(dt[grad_dtype])
-    m, v = torch.zeros(numel, dtype=dt[moment_dtype]), torch.zeros(numel, dtype=dt[moment_dtype])
-    return p, g, m, v, (torch.empty(numel, dtype=torch.bfloat16) if copy else None)
 
 
 def mix32(x: int) -> int:
@@ -292,7 +279,7 @@ class AdamW:
         goes to one buffer kept for the purpose (``reserve_scaled``; the plan counts a slab a
         shard): a fresh 64 MiB tensor a piece cost as much in page faults as the update itself
         (llama8b, gradients in host memory: 2.1 G params/s summed against 3.9 through the
-        ring, BENCHMARKS.md session 12)."""
+        ring, BENCHMARKS.md)."""
         if h.grad_scale != 1.0:
             if grad.device.type == "cpu":
                 n = grad.numel()

@@ -25,11 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megaray.layout import Piece, UnitLayout, align, cut_pieces, unit_offsets
+from megaray.layout import DTYPES, Piece, UnitLayout, align, cut_pieces, unit_offsets
 from megaray.protocol import Control, GradientRing, HostGradients, control_words
 from megaray.shm import ShmFile, file_name
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -89,7 +87,7 @@ class Handles:
         return cls.plan(run_id, owner_pid, cfg.cluster.shm_dir, cfg.train.compute_dtype, units,
                         o.slab_numel, o.ring_slabs, o.master_dtype, cfg.host_compute_copy,
                         "host" if o.grad_placement == "host" else "device", o.grad_dtype,
-                        tuple(range(o.resident_units)))
+                        tuple(range(o.resident_count)))
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -196,6 +194,10 @@ class RunBuffers:
         if not self.h.resident:
             return [self.files[kind].bytes]
         return [self.files[kind].bytes[at:at + n] for at, n in self.h.unit_regions(kind)]
+
+    def streamed_version(self) -> int:
+        """The step every streamed unit's weights are at, at least (the oldest piece's version)."""
+        return min(self.control.versions(self.h.unit_pieces(u)) for u in self.h.streamed)
 
     def piece_master(self, p: Piece) -> torch.Tensor:
         return self.master(p.unit)[p.start:p.stop]

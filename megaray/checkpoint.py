@@ -43,12 +43,12 @@ from pathlib import Path
 import torch
 
 from megaray.errors import CheckpointError, ConfigError
+from megaray.layout import DTYPES
 from megaray.leftovers import pid_alive
 
 FORMAT = 2
 MANIFEST = "manifest.json"
 BLOCK = 16 * 2**20          # bytes per CRC32 block of a part
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
@@ -57,7 +57,9 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 
 class PartWriter:
-    """Writes one part sequentially, with a CRC32 per BLOCK bytes; ``finish`` fsyncs it."""
+    """Writes one part sequentially, with a CRC32 per BLOCK bytes; ``finish`` fsyncs it and
+    returns its manifest entry. As a context manager, a part left unfinished (an exception,
+    or no ``finish``) is closed, never reported as written."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -94,15 +96,18 @@ class PartWriter:
     def abort(self) -> None:
         self.f.close()
 
+    def __enter__(self) -> PartWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.f.closed:
+            self.abort()
+
 
 def write_json(path: Path, obj) -> dict:
-    w = PartWriter(path)
-    try:
+    with PartWriter(path) as w:
         w.write(torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8))
         return w.finish()
-    except BaseException:
-        w.abort()
-        raise
 
 
 class Checkpoint:
@@ -213,11 +218,11 @@ class Checkpoint:
 
     @property
     def master_dtype(self) -> torch.dtype:
-        return _DTYPES[self.manifest["master_dtype"]]
+        return DTYPES[self.manifest["master_dtype"]]
 
     @property
     def moment_dtype(self) -> torch.dtype:
-        return _DTYPES[self.manifest["moment_dtype"]]
+        return DTYPES[self.manifest["moment_dtype"]]
 
     def _dtype(self, kind: str) -> torch.dtype:
         return self.master_dtype if kind == "master" else self.moment_dtype

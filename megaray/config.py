@@ -172,7 +172,7 @@ class OptimConfig:
     update and one arriving) and never more than the run has gradient pieces. Piece p waits
     for slab p mod R, so a deep ring lets the copy-out run ahead of a shard that is behind:
     llama8b on the H200, 7 shards, 14 / 28 / 56 slabs: 393.1 / 400.5 / 403.9 TFLOP/s
-    (BENCHMARKS.md, session 13)."""
+    (BENCHMARKS.md)."""
     moment_dtype: str = "float32"
     """Dtype of the Adam moments: float32 (8 bytes a parameter) or bfloat16 (4: the update
     still computes in fp32 and rounds the moments to nearest when it stores them)."""
@@ -202,8 +202,9 @@ class OptimConfig:
     """Dtype of the gradients that cross the link and wait in host memory: float32, or
     bfloat16 (half the copy-out and the host bytes; the norm is taken from the fp32 values on
     the GPU before they are rounded)."""
-    placement: str | int = "auto"
-    """Where the units' training state lives: 'host' (every unit streams: master and moments
+    resident_units: str | int = "auto"
+    """Where the units' training state lives (named ``optim.placement`` until megaray 0.2, a
+    name still read in 0.3 with a warning): 'host' (every unit streams: master and moments
     in host memory, updated by the shards, weights in and gradients out every step), 'auto'
     (the default: the cost model's choice for the GPU at hand, ``megaray plan`` prints it and
     what each choice buys; 'host' without a GPU or where resident units are not possible), or
@@ -246,9 +247,10 @@ class OptimConfig:
             raise ConfigError("optim.shard_layout", f"must be contiguous or interleaved (got {self.shard_layout!r})")
         if self.grad_placement not in ("auto", "device", "host"):
             raise ConfigError("optim.grad_placement", f"must be auto, device or host (got {self.grad_placement!r})")
-        if self.placement not in ("host", "auto") and (not isinstance(self.placement, int) or self.placement < 0):
-            raise ConfigError("optim.placement", f"must be host, auto or a number of resident units >= 0 "
-                                                 f"(got {self.placement!r})")
+        if self.resident_units not in ("host", "auto") and (not isinstance(self.resident_units, int)
+                                                            or self.resident_units < 0):
+            raise ConfigError("optim.resident_units", f"must be host, auto or a number of resident units >= 0 "
+                                                 f"(got {self.resident_units!r})")
         if self.grad_dtype not in _DTYPES:
             raise ConfigError("optim.grad_dtype", f"must be one of {_DTYPES} (got {self.grad_dtype!r})")
         if self.compute_copy not in ("auto", "host", "device"):
@@ -268,10 +270,10 @@ class OptimConfig:
         return self.grad_ring_slabs or MIN_RING_SLABS_PER_SHARD * self.num_shards
 
     @property
-    def resident_units(self) -> int:
+    def resident_count(self) -> int:
         """How many units, in forward order from the embedding, are resident on the worker's
-        device (``placement``; 0 for 'auto' until a machine resolves it: ``megaray.plan.resolve``)."""
-        return self.placement if isinstance(self.placement, int) else 0
+        device (``resident_units``; 0 for 'auto' until a machine resolves it: ``megaray.plan.resolve``)."""
+        return self.resident_units if isinstance(self.resident_units, int) else 0
 
 
 @dataclass(kw_only=True)
@@ -284,8 +286,9 @@ class WorkerConfig:
     """Data-parallel GPU workers (one GPU each) sharing the one parameter store: each computes
     train.grad_accum / count of a step's micro-batches, and their gradients are summed (NCCL
     on GPUs, gloo on the CPU) before the norm, so the step equals one worker's whole batch."""
-    placement: str = "local"
-    """'local': the workers share the store's node and its shared memory; 'remote': the
+    node: str = "local"
+    """Where the workers run (named ``worker.placement`` until megaray 0.2, a name still read
+    in 0.3 with a warning). 'local': the workers share the store's node and its shared memory; 'remote': the
     workers run on other nodes of the Ray cluster (the store and the optimizer shards stay on
     one), and weights and gradients cross through Ray's object store via a relay actor."""
     keep_activations: int | None = None
@@ -321,8 +324,8 @@ class WorkerConfig:
             raise ConfigError("worker.threads", "must be >= 1")
         if self.count < 1:
             raise ConfigError("worker.count", "must be >= 1")
-        if self.placement not in ("local", "remote"):
-            raise ConfigError("worker.placement", f"must be local or remote (got {self.placement!r})")
+        if self.node not in ("local", "remote"):
+            raise ConfigError("worker.node", f"must be local or remote (got {self.node!r})")
         if self.keep_activations is not None and self.keep_activations < 0:
             raise ConfigError("worker.keep_activations", "must be >= 0 or null")
         if self.offload_inputs is not None and self.offload_inputs < 0:
@@ -418,8 +421,8 @@ class RunConfig:
 
     @property
     def resident_blocks(self) -> int:
-        """Blocks among the resident units (``optim.placement`` N: the embedding, then N - 1 blocks)."""
-        return min(self.model.num_hidden_layers, max(0, self.optim.resident_units - 1))
+        """Blocks among the resident units (``optim.resident_units`` N: the embedding, then N - 1 blocks)."""
+        return min(self.model.num_hidden_layers, max(0, self.optim.resident_count - 1))
 
     @property
     def host_compute_copy(self) -> bool:
@@ -429,7 +432,7 @@ class RunConfig:
         if self.optim.compute_copy != "auto":
             return self.optim.compute_copy == "host"
         per_worker = self.train.tokens_per_step // self.worker.count
-        return self.worker.placement == "remote" or per_worker < AUTO_DEVICE_CAST_TOKENS
+        return self.worker.node == "remote" or per_worker < AUTO_DEVICE_CAST_TOKENS
 
     def __post_init__(self):
         units = self.model.num_hidden_layers + 2
@@ -442,19 +445,19 @@ class RunConfig:
         if self.optim.master_dtype == "bfloat16" and self.train.compute_dtype != "bfloat16":
             raise ConfigError("optim.master_dtype", "a bfloat16 master needs train.compute_dtype: bfloat16 "
                                                     f"(got {self.train.compute_dtype})")
-        n = self.optim.resident_units
+        n = self.optim.resident_count
         if n > self.model.num_hidden_layers + 1:
-            raise ConfigError("optim.placement", f"{n} resident units, but the model has the embedding and "
+            raise ConfigError("optim.resident_units", f"{n} resident units, but the model has the embedding and "
                                                  f"{self.model.num_hidden_layers} blocks before the head "
                                                  f"(at most {self.model.num_hidden_layers + 1}; the head streams)")
         if n and (self.optim.master_dtype, self.optim.moment_dtype) != ("float32", "float32"):
-            raise ConfigError("optim.placement", "resident units keep an fp32 master and fp32 moments; "
+            raise ConfigError("optim.resident_units", "resident units keep an fp32 master and fp32 moments; "
                                                  f"got optim.master_dtype={self.optim.master_dtype}, "
                                                  f"optim.moment_dtype={self.optim.moment_dtype}")
-        if n and (self.worker.count > 1 or self.worker.placement == "remote"):
-            raise ConfigError("optim.placement", "resident units need one worker on the store's node "
+        if n and (self.worker.count > 1 or self.worker.node == "remote"):
+            raise ConfigError("optim.resident_units", "resident units need one worker on the store's node "
                                                  f"(worker.count={self.worker.count}, "
-                                                 f"worker.placement={self.worker.placement})")
+                                                 f"worker.node={self.worker.node})")
         if self.train.grad_accum % self.worker.count:
             raise ConfigError("worker.count", f"{self.worker.count} workers cannot share train.grad_accum="
                                               f"{self.train.grad_accum} micro-batches evenly")

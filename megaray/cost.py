@@ -20,11 +20,11 @@ compute can start. The terms:
 - updates: every streamed parameter once, at the cores' AdamW rate for the run's state.
 
 The default speeds are megaray's own measurements on the reference machine (1x H200,
-16 cores; BENCHMARKS.md, sessions 4-9): compute rates as reached by llama1b/3b/8b steps,
+16 cores; BENCHMARKS.md): compute rates as reached by llama1b/3b/8b steps,
 the pinned link, and the AdamW rates summed over 16 processes divided by 16, measured alone.
 While the worker streams, the shards reach less of it (``Speeds.update_share``): the copies
-share host memory's bandwidth with them, and the shards wait on the ring. Measured (session
-7, llama3b, 14 threads, fp32 gradients through the ring): 2.8-3.2 G params/s summed at 16k
+share host memory's bandwidth with them, and the shards wait on the ring.
+Measured (llama3b, 14 threads, fp32 gradients through the ring): 2.8-3.2 G params/s summed at 16k
 tokens a step against 4.5 alone, 0.63-0.70 of it; at 64k 4.1-4.5 (0.9-1.0), where the updates
 hide under the compute anyway. The share is the small-step figure, where it decides the step.
 """
@@ -48,19 +48,19 @@ ADAMW_PER_CORE = {("float32", "float32", "float32"): 6.2 / 16, ("float32", "floa
 # bf16 TFLOP/s of the matrix products in a step's compute, by hidden size: the measured
 # compute seconds of llama3b (seq 2048) and llama8b (seq 4096) steps at 64k tokens with the
 # elementwise passes compiled (``megaray.fused``), less their attention at ATTENTION_TFLOPS
-# (BENCHMARKS.md, session 17: 514 and 573, on an H100, whose bf16 tensor cores are the H200's).
-# The eager steps of session 9 ran at 343, 394 and 474; llama1b's point (hidden 2048) is its
+# (BENCHMARKS.md: 514 and 573, on an H100, whose bf16 tensor cores are the H200's).
+# The eager steps ran at 343, 394 and 474; llama1b's point (hidden 2048) is its
 # eager rate scaled as llama3b's was (x1.30) until a fused llama1b step is measured. Larger
 # matrices run faster; beyond the measured sizes the nearest is taken, never extrapolated.
 MATMUL_TFLOPS = ((2048, 446.0), (3072, 514.0), (4096, 573.0))
 # flash attention's forward and backward, bf16 TFLOP/s by sequence length (llama3b's heads,
-# `megaray bench --attention-alone`, session 9: 281 at 2048, 495 at 16,384, 462 at 131,072),
+# `megaray bench --attention-alone`: 281 at 2048, 495 at 16,384, 462 at 131,072),
 # interpolated in log2 of the length, the mean of the long ones beyond.
 ATTENTION_TFLOPS = ((2048, 281.0), (16384, 470.0))
 # The forward alone runs faster than the step's average the two tables describe (no backward
 # products' fp32 accumulation, no recomputation's extra passes): llama8b's forward at seq 4096
 # (15 blocks kept, 17 recomputed) took 1.429 s for 32 blocks on the H200 where the tables give
-# 1.80 (BENCHMARKS.md, session 18). It decides when the forward catches up with the updates
+# 1.80 (BENCHMARKS.md). It decides when the forward catches up with the updates
 # (``predict``'s schedule); the step's total compute stays the tables'.
 FORWARD_SPEEDUP = 1.25
 
@@ -137,7 +137,7 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
     it computes it. So the forward is simulated unit by unit: the embedding's update first,
     then each block starts when the block before it has computed and (streamed) its own
     update is done, and the head (never resident) when its update, the last, is done;
-    resident units (``optim.placement``: the embedding, then the first blocks) wait for
+    resident units (``optim.resident_units``: the embedding, then the first blocks) wait for
     nothing. The wait this adds to the forward (``wait_updates_s``) adds to the step; copy-in
     and copy-out still bound it from below. With the gradients in host memory and clipping,
     torch's fused AdamW on fp32 state first writes the clipped gradient (``megaray.adamw``):
@@ -147,7 +147,7 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
     n = m.num_params()
     L = m.num_hidden_layers
     block = units[1].numel if L else 0
-    embed_res = o.resident_units >= 1
+    embed_res = o.resident_count >= 1
     res = cfg.resident_blocks
     res_numel = res * block + (units[0].numel if embed_res else 0)
     streamed = n - res_numel

@@ -7,7 +7,7 @@ Eagerly, PyTorch runs one kernel per operation, and each reads and writes whole
 [tokens, hidden] or [tokens, intermediate] tensors, several in fp32: an RMSNorm is six passes,
 RoPE five for each of q and k. On the H200 these passes were a quarter of a llama8b block's
 forward and backward at 4,096 tokens (11.90 ms, of which 8.77 the matrix products and
-attention); compiled, the block took 9.60 ms (BENCHMARKS.md, session 15).
+attention); compiled, the block took 9.60 ms (BENCHMARKS.md).
 
 The compiled kernels compute in fp32 the way the eager ones do, but may keep intermediate
 values in fp32 where the eager ones round them to the compute dtype: results agree to the

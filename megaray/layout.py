@@ -33,6 +33,9 @@ from megaray.config import ModelConfig
 
 ALIGN = 4096        # bytes: every unit's region in a shared file starts on a page
 PIECE_ALIGN = 64    # elements: a piece's start within its segment (a multiple of any CPU vector width)
+# The one table from a config's dtype name (train.compute_dtype, optim.*_dtype, a checkpoint's
+# manifest, export's --dtype) to torch's dtype.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)

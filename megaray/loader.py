@@ -9,6 +9,7 @@ cross-field checks then run. Every failure is a ``ConfigError`` naming the dotte
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import types
@@ -23,6 +24,8 @@ from megaray.config import ModelConfig, RunConfig
 from megaray.errors import ConfigError
 from megaray.hf.read import read_hf_config
 from megaray.shapes import SHAPES
+
+log = logging.getLogger("megaray")
 
 _SECTIONS = {f.name: f for f in dataclasses.fields(RunConfig)}
 
@@ -82,6 +85,7 @@ def _build_section(cls, key: str, data: Any):
         data = {**hf, **data}
     if cls is ModelConfig and data.get("shape") in SHAPES:
         data = {**SHAPES[data["shape"]], **data}  # explicit keys win over the shape's
+    data = _renamed(key, data)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -95,6 +99,25 @@ def _build_section(cls, key: str, data: Any):
             v = float(v)
         kwargs[k] = v
     return cls(**kwargs)
+
+
+# Keys renamed in megaray 0.3 (section, old name) -> new name: the old name is still read,
+# with a warning, for one release.
+RENAMED = {("optim", "placement"): "resident_units", ("worker", "placement"): "node"}
+
+
+def _renamed(section: str, data: dict) -> dict:
+    """``data`` with the keys of RENAMED under their new names (a warning says so each time);
+    both names at once is an error naming them."""
+    out = dict(data)
+    for (sec, old), new in RENAMED.items():
+        if sec != section or old not in out:
+            continue
+        if new in out:
+            raise ConfigError(f"{sec}.{old}", f"is the old name of {sec}.{new}, which is set too: keep {sec}.{new}")
+        log.warning("%s.%s is called %s.%s from megaray 0.3 on; the old name is read until 0.4", sec, old, sec, new)
+        out[new] = out.pop(old)
+    return out
 
 
 def build_config(data: dict) -> RunConfig:
@@ -160,7 +183,7 @@ def absolute_paths(cfg: RunConfig) -> RunConfig:
     """``cfg`` with every path absolute (``~`` expanded), against the folder of the process
     that read the config: a path means what it meant where the user typed the command. The
     actors run elsewhere (a local Ray's workers start in an empty folder of their own:
-    ``megaray.cluster.start_local_ray``), and the resolved ``config.yaml`` in the run
+    ``megaray.driver.cluster.start_local_ray``), and the resolved ``config.yaml`` in the run
     directory says exactly where everything is. ``checkpoint.resume: auto`` is not a path."""
     changed: dict[str, dict[str, str]] = {}
     for section, key in PATHS:

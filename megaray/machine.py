@@ -5,7 +5,7 @@ Host memory is what the kernel calls available, and never more than Ray's memory
 allows: Ray kills a worker once the node's memory in use (its
 cgroup's, less inactive file pages, else total less available) passes
 ``RAY_memory_usage_threshold`` of the total (0.95 by default; ``megaray`` starts its own
-local Ray at 0.98, ``megaray.cluster.start_local_ray``). On the H200 machine a qwen14b plan
+local Ray at 0.98, ``megaray.driver.cluster.start_local_ray``). On the H200 machine a qwen14b plan
 of 118.8 GiB against 119.8 available was killed at Ray's 95% (122.3 GiB in use by Ray's
 measure, the CUDA libraries' file pages included).
 """

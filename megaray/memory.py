@@ -35,16 +35,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from megaray.attention import SDPA_GQA, create_block_mask, packing_mask_bytes
+from megaray.clipping import NORM_CHUNK
 from megaray.config import ModelConfig, RunConfig
-from megaray.layout import build_layout
+from megaray.layout import DTYPES, build_layout
 from megaray.model import LOSS_ROWS
-from megaray.schedule import NORM_CHUNK
 
 GiB = 2**30
 CUDA_CONTEXT_BYTES = 1 * GiB
 RESERVE_FRACTION = 0.06
 RESERVE_BYTES = 2 * GiB
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # [tokens, intermediate] tensors alive at once in the MLP's backward beside what the block
 # saved: the lean block's (the product's gradient, the up projection's and the gate's; gate and
 # up are saved: ``model._swiglu_grads``) and a chunk's of the chunked MLP (gate, up, silu(gate)
@@ -61,7 +60,7 @@ def block_internal_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, mlp_chunk
     elementwise passes compiled (``megaray.fused``): the compiler's SwiGLU saves the gate and
     the up projection, which are saved anyway, and rebuilds silu(gate) in its backward, so a
     plain block keeps one [tokens, intermediate] tensor fewer (measured on the H200: llama1b's
-    16 plain blocks at 64k tokens peaked 16 GiB under the eager count, BENCHMARKS.md session 19)."""
+    16 plain blocks at 64k tokens peaked 16 GiB under the eager count, BENCHMARKS.md)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
@@ -111,7 +110,7 @@ class StepShape:
     def of(cls, cfg: RunConfig) -> StepShape:
         m, t = cfg.model, cfg.train
         units = build_layout(m)
-        s = _DTYPE_BYTES[t.compute_dtype]
+        s = DTYPES[t.compute_dtype].itemsize
         tokens = t.tokens_per_step // cfg.worker.count
         micro = t.micro_batch_size * t.seq_len
         chunked = micro > t.mlp_chunk_tokens
@@ -131,7 +130,7 @@ class StepShape:
     def recompute_lean(self) -> bool:
         """Whether a recomputed block runs lean: only with its MLP in chunks, where memory is
         what counts. Otherwise it runs as plain autograd (3-6% faster on the H200: one block,
-        llama1b 8.02 ms against 8.48, BENCHMARKS.md session 10) for a workspace of one
+        llama1b 8.02 ms against 8.48, BENCHMARKS.md) for a workspace of one
         micro-batch's plain internals."""
         return self.mlp_chunked
 
@@ -217,7 +216,7 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
     if sh.mlp_chunked:      # one chunk's tensors and the three weights' fp32 gradient sums (and their cast)
         h, i = m.hidden_size, m.intermediate_size
         mlp_chunk = min(t.mlp_chunk_tokens, sh.micro_tokens) * MLP_CHUNK_LIVE * s * i + 3 * (4 + s) * h * i
-    embed_res = cfg.optim.resident_units >= 1        # a resident embedding is read where it lives: no slot
+    embed_res = cfg.optim.resident_count >= 1        # a resident embedding is read where it lives: no slot
     items = {
         ("weight slots (head, 2 blocks)" if embed_res else "weight slots (embed, head, 2 blocks)"):
             s * ((0 if embed_res else sh.embed_numel) + sh.head_numel + 2 * sh.block_numel),
@@ -266,10 +265,10 @@ def loss_chunk_bytes(cfg: RunConfig) -> int:
     gradient is formed, the logits and their gradient in the compute dtype (s bytes) and two
     fp32 blocks of ``LOSS_ROWS`` rows (2sCV + 8RV); in the projection's backward, the
     logits' gradient, the projection weight's gradient and the flat unit gradient it is
-    scattered into (sCV + 2sVH). Measured on the H200 (BENCHMARKS.md, session 6): autograd's
+    scattered into (sCV + 2sVH). Measured on the H200 (BENCHMARKS.md): autograd's
     own log-softmax held three fp32 [C, V] tensors, which a 12 GiB run could not hold."""
     m, t = cfg.model, cfg.train
-    s = _DTYPE_BYTES[t.compute_dtype]
+    s = DTYPES[t.compute_dtype].itemsize
     c = min(t.loss_chunk_tokens, t.micro_batch_size * t.seq_len)
     v = m.vocab_size
     return max(2 * s * c * v + 2 * 4 * min(c, LOSS_ROWS) * v, s * c * v + 2 * s * v * m.hidden_size)
@@ -283,6 +282,15 @@ def gpu_total(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
 def budget(free_bytes: int) -> int:
     """What the worker plans to use of ``free_bytes`` of GPU memory: less the reserve."""
     return max(0, int(free_bytes * (1 - RESERVE_FRACTION)) - RESERVE_BYTES)
+
+
+def gpu_budget(free_bytes: int, cap_gib: float | None) -> int:
+    """What a run plans to use of a GPU with ``free_bytes`` free to it: at most
+    ``worker.gpu_memory_gib`` (``cap_gib``), less the allocator's reserve (``budget``). The one
+    rule of both the plan, before the run, and the worker, at every step."""
+    if cap_gib is not None:
+        free_bytes = min(free_bytes, int(cap_gib * GiB))
+    return budget(free_bytes)
 
 
 def _largest(ok, lo: int, hi: int) -> int:

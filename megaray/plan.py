@@ -41,14 +41,14 @@ _SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 _USABLE = "what is free, at most worker.gpu_memory_gib, less the allocator's reserve"
 # What an actor process adds to the memory in use (its anonymous pages: interpreter, torch, Ray's
 # core worker), and what a GPU worker adds beyond that (CUDA's host-side state). Measured on the
-# H200 machine (BENCHMARKS.md, session 24: Pss_Anon of every process, during steps): 0.30 GiB an
+# H200 machine (BENCHMARKS.md: Pss_Anon of every process, during steps): 0.30 GiB an
 # optimizer shard beyond its moments, the store and the scheduler; the GPU worker 0.88-0.99 GiB.
 # A library's code pages are the page cache's, reclaimable, and not counted.
 PROCESS_BYTES = int(0.3 * GiB)
 CUDA_PROCESS_BYTES = int(0.7 * GiB)
 RING_HEADROOM = 0.10             # of the host's memory, left free when the gradient ring deepens
 # Host memory no plan uses: the plan's own error (measured use within 2.5% of it on the H200
-# machine, BENCHMARKS.md session 24) and what grows beside a run (the page cache a checkpoint
+# machine, BENCHMARKS.md) and what grows beside a run (the page cache a checkpoint
 # dirties, the driver's copies): HOST_RESERVE of what is available, at least HOST_RESERVE_MIN.
 HOST_RESERVE = 0.02
 HOST_RESERVE_MIN = 2 * GiB
@@ -156,7 +156,7 @@ def savings(cfg: RunConfig) -> list[tuple[str, int, float]]:
 
     def alt(name: str, **changes) -> tuple[str, int, float]:
         if "moment_dtype" in changes or "master_dtype" in changes:
-            changes["placement"] = "host"            # bf16 state is never resident
+            changes["resident_units"] = "host"            # bf16 state is never resident
         q = plan(replaced(cfg, "optim", **changes))
         return name, base.host_total - q.host_total, q.host_bytes_per_param
 
@@ -199,10 +199,10 @@ def remedies(cfg: RunConfig, machine: Machine) -> list[str]:
     if cfg.worker.input_stride == 1 and machine.gpu_bytes is not None:
         if fits(with_("worker", input_stride=2)):
             out.append("worker.input_stride=2")
-    if o.placement == "host" and can_be_resident(cfg) and machine.gpu_bytes is not None:
-        n = resolve(with_("optim", placement="auto"), machine).optim.placement
-        if n != "host" and fits(with_("optim", placement=n)):
-            out.append(f"optim.placement=auto ({describe_placement(n)})")
+    if o.resident_units == "host" and can_be_resident(cfg) and machine.gpu_bytes is not None:
+        n = resolve(with_("optim", resident_units="auto"), machine).optim.resident_units
+        if n != "host" and fits(with_("optim", resident_units=n)):
+            out.append(f"optim.resident_units=auto ({describe_placement(n)})")
     chunk = min(t.loss_chunk_tokens, t.micro_batch_size * t.seq_len)
     k = memory._largest(lambda k: fits(with_("train", loss_chunk_tokens=256 * k)), 1, chunk // 256 - 1)
     if k >= 1:
@@ -266,54 +266,65 @@ def host_budget(machine: Machine) -> int:
 
 
 def gpu_budget(cfg: RunConfig, machine: Machine) -> int | None:
-    """The GPU memory the run plans to use on ``machine``: what is free there (at most
-    ``worker.gpu_memory_gib``) less the allocator's reserve, ``memory.budget``: the budget the
-    worker plans against at run time."""
+    """The GPU memory the run plans to use on ``machine`` (``memory.gpu_budget``: the budget
+    the worker plans against at run time), None without a GPU."""
     if machine.gpu_bytes is None:
         return None
-    free = machine.gpu_bytes
-    if cfg.worker.gpu_memory_gib is not None:
-        free = min(free, int(cfg.worker.gpu_memory_gib * GiB))
-    return memory.budget(free)
+    return memory.gpu_budget(machine.gpu_bytes, cfg.worker.gpu_memory_gib)
 
 
 def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> RunConfig:
-    """The config with its 'auto' choices decided for ``machine``, together:
-    ``optim.grad_placement``, ``optim.placement`` and ``optim.grad_ring_slabs``. For each home of the gradients (the
-    device, host memory) the placement is the cost model's fastest number of resident units
-    within the GPU budget and host memory (``choose_placement``; host without a GPU, or where
-    resident units cannot be: bf16 state, several workers, a remote worker); of the homes
-    with which the run fits, the faster predicted step wins, the device among equals (within
-    0.5%). Without a GPU the gradients stay with the worker (the device). Then, once the
-    placement is known, ``worker.input_stride`` null (``input_stride``). Then
-    ``optim.grad_ring_slabs``: the placement is chosen with the shallowest ring, which
-    ``ring_depth`` deepens with what host memory spares, so a deep ring never costs a
-    resident unit."""
+    """The config with its 'auto' choices decided for ``machine``, in one straight line:
+
+    1. ``optim.grad_placement``: each home of the gradients (the device, host memory; the
+       device alone without a GPU) is placed (2 and 3, ``_placed``); of the homes with which
+       the run fits, the faster predicted step wins, the device among equals (within 0.5%);
+    2. ``optim.resident_units``: the cost model's fastest number of resident units within the
+       GPU budget and host memory (``choose_placement``; host without a GPU, or where resident
+       units cannot be: bf16 state, several workers, a remote worker);
+    3. ``worker.input_stride`` null, once the placement is known (``input_stride``);
+    4. ``optim.grad_ring_slabs`` null: everything above is chosen with the shallowest ring,
+       which ``ring_depth`` then deepens with what host memory spares, so a deep ring never
+       costs a resident unit.
+
+    A resolved config resolves to itself."""
     speeds = speeds or shard_speeds(cfg)
-    if cfg.optim.grad_placement == "auto":
-        gpu = gpu_budget(cfg, machine)
-        homes = [resolve(replaced(cfg, "optim", grad_placement=g), machine, speeds)
+    deepen = cfg.optim.grad_ring_slabs is None
+    if deepen:
+        cfg = replaced(cfg, "optim", grad_ring_slabs=MIN_RING_SLABS_PER_SHARD * cfg.optim.num_shards)
+    gpu = gpu_budget(cfg, machine)
+    if cfg.optim.grad_placement != "auto":
+        cfg = _placed(cfg, machine, speeds, gpu)
+    else:
+        homes = [_placed(replaced(cfg, "optim", grad_placement=g), machine, speeds, gpu)
                  for g in (("device", "host") if gpu is not None else ("device",))]
-        timed = [(step, c) for c in homes if (step := _fitting_step(c, machine, speeds, gpu)) is not None]
-        if not timed:               # nothing fits: the GPU where its memory suffices (as before), for the refusal
-            p = plan_for(homes[0], machine)
-            return homes[0] if gpu is None or p.gpu_total <= gpu else homes[-1]
-        fastest = min(step for step, _ in timed)
-        return next(c for step, c in timed if step <= fastest * 1.005)
-    if cfg.optim.grad_ring_slabs is None:          # placed with the shallowest ring, then deepened
-        shallow = replaced(cfg, "optim", grad_ring_slabs=MIN_RING_SLABS_PER_SHARD * cfg.optim.num_shards)
-        shallow = resolve(shallow, machine, speeds)
-        return replaced(shallow, "optim", grad_ring_slabs=ring_depth(shallow, machine))
-    if cfg.optim.placement == "auto":
-        gpu = gpu_budget(cfg, machine)
+        cfg = _faster_home(homes, machine, speeds, gpu)
+    if deepen:
+        cfg = replaced(cfg, "optim", grad_ring_slabs=ring_depth(cfg, machine))
+    return cfg
+
+
+def _placed(cfg: RunConfig, machine: Machine, speeds: Speeds, gpu: int | None) -> RunConfig:
+    """Steps 2 and 3 of ``resolve`` for a config whose gradients' home is decided."""
+    if cfg.optim.resident_units == "auto":
         res = 0
         if gpu is not None and can_be_resident(cfg):
             rows = choose_placement(cfg, speeds, gpu, cast_slab_bytes(cfg), host_budget(machine))
             res = best(rows)["resident"] if rows else 0
-        cfg = replaced(cfg, "optim", placement=res or "host")
+        cfg = replaced(cfg, "optim", resident_units=res or "host")
     if cfg.worker.input_stride is None:
         cfg = replaced(cfg, "worker", input_stride=input_stride(cfg, machine))
     return cfg
+
+
+def _faster_home(homes: list[RunConfig], machine: Machine, speeds: Speeds, gpu: int | None) -> RunConfig:
+    """Of the placed homes (the device first), the faster that fits; where none fits, the
+    device if its GPU memory suffices, else the last (so the refusal names the real shortfall)."""
+    timed = [(step, c) for c in homes if (step := _fitting_step(c, machine, speeds, gpu)) is not None]
+    if not timed:
+        return homes[0] if gpu is None or plan_for(homes[0], machine).gpu_total <= gpu else homes[-1]
+    fastest = min(step for step, _ in timed)
+    return next(c for step, c in timed if step <= fastest * 1.005)
 
 
 def input_stride(cfg: RunConfig, machine: Machine) -> int:
@@ -368,7 +379,7 @@ def choose_placement(cfg: RunConfig, speeds: Speeds, budget_bytes: int, cast_sla
     fewest units among equals)."""
     rows = []
     for res in range(cfg.model.num_hidden_layers + 2):
-        c = replaced(cfg, "optim", placement=res)
+        c = replaced(cfg, "optim", resident_units=res)
         offload = memory.offload_count(c, budget_bytes, cast_slab_bytes=cast_slab_bytes)
         keep, lean = memory.keep_choice(c, budget_bytes, offload, cast_slab_bytes)    # the worker's choice
         need = memory.gpu_total(c, keep, offload, cast_slab_bytes, lean)
@@ -389,7 +400,7 @@ def best(rows: list[dict]) -> dict:
 
 
 def describe_placement(resident_units: int) -> str:
-    """``optim.placement`` N in words: which units are resident."""
+    """``optim.resident_units`` N in words: which units are resident."""
     if resident_units <= 0:
         return "every unit streamed"
     if resident_units == 1:
@@ -407,7 +418,7 @@ def describe_input_stride(stride: int) -> str:
 
 def can_be_resident(cfg: RunConfig) -> bool:
     o, w = cfg.optim, cfg.worker
-    return (o.master_dtype, o.moment_dtype) == ("float32", "float32") and w.count == 1 and w.placement == "local"
+    return (o.master_dtype, o.moment_dtype) == ("float32", "float32") and w.count == 1 and w.node == "local"
 
 
 def shard_speeds(cfg: RunConfig) -> Speeds:

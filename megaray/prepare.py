@@ -411,7 +411,7 @@ def prepare(inputs: list[str], out: str, opts: PrepareOptions, log=print, num_cp
     tmp.mkdir(parents=True)
     started = not ray.is_initialized()
     if started:
-        from megaray.cluster import start_local_ray
+        from megaray.driver.cluster import start_local_ray
 
         start_local_ray(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
                         object_store_memory=128 * 2**20, log_to_driver=False)

@@ -71,3 +71,12 @@ class TextTokenizer:
         t = env.from_string(self.chat_template or CHAT_TEMPLATE)
         return t.render(messages=messages, add_generation_prompt=add_generation_prompt,
                         eos_token=self.eos_token, bos_token=self.bos_token)
+
+
+def model_tokenizer(model_dir: str | None):
+    """The ``tokenizers.Tokenizer`` of a model directory, or None (byte-level)."""
+    if not model_dir or not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))

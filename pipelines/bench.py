@@ -1,21 +1,23 @@
 """Bench entrypoint: ``python -m megaray.pipelines.bench --shape llama1b ...`` (= ``megaray bench``)."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
+from .args import parse, parser
+
 
 def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
-    p = argparse.ArgumentParser(prog=prog, description="megaray vs a GPU-resident PyTorch baseline")
-    p.add_argument("--shape", default="llama1b")
-    p.add_argument("--seq", type=int, default=2048)
+    p = parser(prog, "megaray vs a GPU-resident PyTorch baseline of the same model and batches, in one "
+                     "process tree: both step times, their ratio, and where megaray's time went")
+    p.add_argument("--shape", default="llama1b", help="a model shape of the registry (megaray.shapes)")
+    p.add_argument("--seq", type=int, default=2048, help="tokens a row (train.seq_len)")
     p.add_argument("--tokens", type=int, default=65536, help="tokens per step")
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--shards", type=int, default=7)
+    p.add_argument("--micro-batch", type=int, default=4, help="rows a micro-batch (train.micro_batch_size)")
+    p.add_argument("--steps", type=int, default=4, help="steps measured (the first is a warm-up)")
+    p.add_argument("--shards", type=int, default=7, help="optimizer shards (optim.num_shards)")
     p.add_argument("--threads", type=int, default=2, help="threads per optimizer shard")
-    p.add_argument("--no-baseline", action="store_true")
+    p.add_argument("--no-baseline", action="store_true", help="megaray alone (a model the GPU cannot hold)")
     p.add_argument("--attention-alone", metavar="SEQxBATCH,...",
                    help="instead: one attention layer alone on the GPU, causal and by document (--documents, "
                         "default 512), e.g. 2048x4,131072x1")
@@ -31,9 +33,9 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
                    "sharing this machine's cores")
     p.add_argument("--adamw-alone", metavar="PxT,...", help="instead: the CPU AdamW alone, for every state "
                    "combination, P processes x T threads each, e.g. 1x16,4x4,8x2,16x1 (no GPU needed)")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     if a.attention_alone:
-        from megaray.bench_attention import print_rows, run
+        from megaray.bench.attention import print_rows, run
 
         rows = run([tuple(int(x) for x in c.split("x")) for c in a.attention_alone.split(",")], a.documents or 512)
         print_rows(rows)
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
         if not torch.cuda.is_available():
             print(f"{prog}: --block-alone times a block on a CUDA GPU, and this machine has none", file=sys.stderr)
             return 2
-        from megaray.bench_block import print_rows, run
+        from megaray.bench.block import print_rows, run
 
         rows = run(a.shape, [tuple(int(x) for x in c.split("x")) for c in a.block_alone.split(",")])
         print_rows(rows)
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
                 f.write(json.dumps({"block_alone": rows}) + "\n")
         return 0
     if a.adamw_alone:
-        from megaray.bench_adamw import print_rows, run
+        from megaray.bench.adamw import print_rows, run
 
         rows = run([tuple(int(x) for x in lt.split("x")) for lt in a.adamw_alone.split(",")])
         print_rows(rows)
@@ -67,9 +69,9 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     import ray
     import yaml
 
-    from megaray.bench import bench, bench_config, optimizer_scaling, print_table
-    from megaray.cluster import connect_ray
-    from megaray.runlog import log, log_to_console
+    from megaray.bench.run import bench, bench_config, optimizer_scaling, print_table
+    from megaray.driver.cluster import connect_ray
+    from megaray.driver.runlog import log, log_to_console
 
     extra = {kv.split("=", 1)[0]: yaml.safe_load(kv.split("=", 1)[1]) for kv in a.set}
     cfg = bench_config(a.shape, a.seq, a.tokens, a.micro_batch, a.steps, a.shards, a.threads, extra)

@@ -3,15 +3,16 @@ runs whose driver process is dead (a driver killed with SIGKILL cannot delete it
 never those of a live run. A later ``megaray train`` does the same when it starts."""
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
+from .args import parse, parser
+
 
 def main(argv: list[str] | None = None, prog: str = "megaray clean") -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p = parser(prog, __doc__)
     p.add_argument("--shm-dir", default="/dev/shm", help="the runs' cluster.shm_dir")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     from megaray.shm import remove_stale
 
     if not os.path.isdir(a.shm_dir):

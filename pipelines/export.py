@@ -4,18 +4,20 @@ generation files of the model it started from) that transformers loads. OUT_DIR 
 or empty; each shard is reported as it is written."""
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
+from .args import parse, parser
+
 
 def main(argv: list[str] | None = None, prog: str = "megaray export") -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
-    p.add_argument("source", help="a checkpoint folder, a run directory, or a folder of checkpoints")
-    p.add_argument("out_dir")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p = parser(prog, __doc__)
+    p.add_argument("source", help="a checkpoint folder, a run directory (its newest checkpoint), or a folder "
+                                  "of checkpoints")
+    p.add_argument("out_dir", help="the model folder to write (new or empty)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the weights' dtype")
     p.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors shard, in GiB")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     from megaray.errors import MegarayError
     from megaray.hf.export import export_checkpoint
 

@@ -5,23 +5,24 @@ the largest micro-batch and sequence length that fit the GPU. Exit status 1 when
 fit."""
 from __future__ import annotations
 
-import argparse
 import sys
+
+from .args import parse, parser
 
 
 def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--host-gib", type=float, help="plan for a machine with this much host memory (GiB)")
-    p.add_argument("--gpu-gib", type=float, help="... and a GPU with this much memory (GiB); implies a GPU")
+    p = parser(prog, __doc__, takes_config=True)
+    p.add_argument("--host-gib", type=float, help="plan for a machine with this much host memory (GiB) "
+                                                  "(default: this machine's)")
+    p.add_argument("--gpu-gib", type=float, help="... and a GPU with this much memory (GiB); implies a GPU "
+                                                 "(default: this machine's GPU, if any)")
     p.add_argument("--cores", type=int, help="CPU cores for the optimizer shards (default: this machine's, or "
                                              "16 with --host-gib)")
     p.add_argument("--link-gbps", type=float, help="host<->GPU copy rate, GB/s each way (default 53.7: pinned, PCIe 5)")
     p.add_argument("--gpu-tflops", type=float,
                    help="one bf16 TFLOP/s for all of a step's compute (default: the measured rates, "
                         "446-573 for the matrix products by hidden size, 281-470 for attention by sequence length)")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     import os
 
     from megaray.cost import Speeds, predict
@@ -62,12 +63,12 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
         where = "this machine"
     speeds = Speeds(gpu_tflops=a.gpu_tflops, link_gbps=a.link_gbps or 53.7,
                     cores=a.cores or (16 if a.host_gib is not None else os.cpu_count() or 1))
-    asked = cfg.optim.placement
+    asked = cfg.optim.resident_units
     cfg = resolve(cfg, machine, speeds)
     pl = plan_for(cfg, machine)
     print(f"plan for {where}; gradients wait for the norm on the "
           f"{'GPU' if cfg.optim.grad_placement != 'host' else 'host'} (optim.grad_placement); "
-          f"{describe_placement(cfg.optim.resident_units)} (optim.placement {asked}; "
+          f"{describe_placement(cfg.optim.resident_count)} (optim.resident_units {asked}; "
           f"{cfg.model.num_hidden_layers} blocks)")
     print(pl.report(machine))
     for override, saved, per_param in savings(cfg):
@@ -109,8 +110,8 @@ def print_placements(rows: list[dict], best) -> None:
     pick, first = best(rows)["resident"], rows[0]
     show = sorted({0, len(rows) - 1, len(rows) // 4, len(rows) // 2, 3 * len(rows) // 4,
                    next(i for i, r in enumerate(rows) if r["resident"] == pick)})
-    print("placements (optim.placement N: the first N units resident, the embedding first; host memory allows N >= "
-          f"{first['resident']}):")
+    print("placements (optim.resident_units N: the first N units resident, the embedding first; host memory "
+          f"allows N >= {first['resident']}):")
     for r in (rows[k] for k in show):
         extra = (r["gpu_bytes"] - first["gpu_bytes"]) / 2**30
         per_gib = (first["step_s"] - r["step_s"]) / extra if extra > 0 else 0.0

@@ -3,21 +3,25 @@ jsonl, parquet or text files (or folders of them) into packed token shards with 
 for ``data.source: shards``. Exit status 2 on bad data (the message names the file and row)."""
 from __future__ import annotations
 
-import argparse
 import sys
+
+from .args import parse, parser
 
 
 def main(argv: list[str] | None = None, prog: str = "megaray prepare") -> int:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p = parser(prog, __doc__)
     p.add_argument("inputs", nargs="+", help="jsonl/parquet/txt files or folders")
     p.add_argument("--out", required=True, help="the shard folder to create")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per training sequence (train.seq_len)")
-    p.add_argument("--kind", default="pretrain", choices=["pretrain", "sft"])
+    p.add_argument("--kind", default="pretrain", choices=["pretrain", "sft"],
+                   help="pretrain: text, every token a target; sft: prompt/response or chat messages, the loss "
+                        "on the responses only")
     p.add_argument("--tokenizer", help="a model directory with tokenizer.json (default: byte-level tokens)")
-    p.add_argument("--text-column", default="text")
-    p.add_argument("--prompt-column", default="prompt")
-    p.add_argument("--response-column", default="response")
-    p.add_argument("--messages-column", default="messages")
+    p.add_argument("--text-column", default="text", help="the text of a pretrain row (jsonl key or parquet column)")
+    p.add_argument("--prompt-column", default="prompt", help="an sft row's prompt")
+    p.add_argument("--response-column", default="response", help="an sft row's response")
+    p.add_argument("--messages-column", default="messages", help="an sft row's chat messages (instead of "
+                                                                   "prompt and response)")
     p.add_argument("--on-bad-row", default="error", choices=["error", "skip"],
                    help="stop at the first bad row (naming it), or skip and count bad rows")
     p.add_argument("--holdout-fraction", type=float, default=0.01,
@@ -27,7 +31,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray prepare") -> int:
                         "with more is a bad row")
     p.add_argument("--split-mb", type=float, default=64.0, help="input MB per Ray task")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray that prepare starts (default: all)")
-    a = p.parse_args(argv)
+    a = parse(p, argv)
     from megaray.errors import DataError
     from megaray.prepare import PrepareOptions, prepare
 

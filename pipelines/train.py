@@ -6,29 +6,24 @@ This is what ``megaray train`` runs and what ``ray job submit`` runs. It parses 
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 from megaray.errors import ConfigError, MegarayError, RunStopped
 from megaray.loader import load_config
 
-
-def build_parser(prog: str = "megaray train") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Train a model with megaray.")
-    p.add_argument("config", help="YAML config file, or the name of a shipped one (demo)")
-    p.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.steps=20")
-    return p
+from .args import parse, parser
 
 
 def main(argv: list[str] | None = None, prog: str = "megaray train") -> int:
-    args = build_parser(prog).parse_args(argv)
+    args = parse(parser(prog, "Train a model with megaray; the run directory lands under run.dir "
+                              "(TensorBoard events, metrics.jsonl, train.log, checkpoints).", takes_config=True), argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"megaray: config error: {e}", file=sys.stderr)
         return 2
-    from megaray.cluster import connect_ray
-    from megaray.runner import interrupts_held, train
+    from megaray.driver.cluster import connect_ray
+    from megaray.driver.runner import interrupts_held, train
 
     started = connect_ray(cfg)
     try:

@@ -8,7 +8,8 @@ import pytest
 import torch
 from reference import RefLlama
 
-from megaray.bench import BaselineLlama, bench, bench_config, breakdown, document_ids, print_table, run_baseline
+from megaray.bench.baseline import BaselineLlama, run_baseline
+from megaray.bench.run import bench, bench_config, breakdown, document_ids, print_table
 from megaray.layout import build_layout
 from megaray.model import flops_per_step, init_unit
 
@@ -128,7 +129,7 @@ def test_the_block_bench_says_it_needs_a_gpu(capsys):
 def test_the_block_bench_runs_every_case_on_the_cpu():
     """The block bench's cases on the CPU (the passes eager both ways): each one runs its
     forward and its backward, the products' alone with just the weights they use."""
-    from megaray.bench_block import print_rows, run
+    from megaray.bench.block import print_rows, run
 
     (row,) = run("debug", [(16, 2)], reps=1, device="cpu")
     for mode in ("eager", "fused"):

@@ -21,11 +21,11 @@ import ray
 import torch
 from conftest import dead_pid, finish, shm_files, wait_for_steps
 
-from megaray.actors.session import NAMESPACE
 from megaray.checkpoint import Checkpoint, complete_checkpoints
+from megaray.driver.runner import train
+from megaray.driver.session import NAMESPACE
 from megaray.errors import CheckpointError, TrainingDiverged
 from megaray.loader import load_config
-from megaray.runner import train
 from megaray.shm import remove_stale
 
 BASE = ["train.steps=6", "train.log_every=1", "train.eval_batches=1", "data.max_bytes=50000"]

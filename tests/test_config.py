@@ -80,3 +80,19 @@ def test_bad_config_fails_before_ray_starts(capsys):
     assert main([str(shipped_config("debug")), "optim.num_shards=99"]) == 2
     assert not ray.is_initialized()
     assert "optim.num_shards" in capsys.readouterr().err
+
+
+def test_renamed_keys_are_still_read_with_a_warning(tmp_path, caplog):
+    """megaray 0.3 renamed optim.placement (optim.resident_units) and worker.placement
+    (worker.node): the old names still load to the same config, each with a warning; both
+    names at once is an error naming the old one."""
+    (tmp_path / "old.yaml").write_text("model: {shape: debug}\noptim: {placement: 2}\nworker: {placement: local}\n")
+    with caplog.at_level("WARNING", logger="megaray"):
+        old = load_config(tmp_path / "old.yaml", ["optim.placement=3"])
+    new = build_config({"model": {"shape": "debug"}, "optim": {"resident_units": 3}, "worker": {"node": "local"}})
+    assert old.optim.resident_units == 3 and old.optim.resident_count == 3 and old.worker.node == "local"
+    assert old.optim == new.optim and old.worker == new.worker
+    said = caplog.text
+    assert "optim.placement is called optim.resident_units" in said and "worker.placement is called worker.node" in said
+    with pytest.raises(ConfigError, match=r"optim\.placement.*old name of optim\.resident_units"):
+        load_config("debug", ["optim.placement=2", "optim.resident_units=2"])

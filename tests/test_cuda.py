@@ -22,12 +22,12 @@ def gpu_ray():
 
 
 def _train(device: str, dtype: str, steps: int = 4, extra: tuple = (), metrics: bool = False):
-    from megaray.actors.session import TrainingSession
+    from megaray.driver.session import TrainingSession
     from megaray.loader import load_config
 
     cfg = load_config("debug", [f"worker.device={device}", f"train.compute_dtype={dtype}",
                                 f"train.steps={steps}", "train.grad_accum=3", "optim.grad_slab_mib=0.015625",
-                                "optim.placement=host", *extra])      # every unit streamed unless a case says
+                                "optim.resident_units=host", *extra])      # every unit streamed unless a case says
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 256, (3, 2, 33)) for _ in range(steps)]
     with TrainingSession(cfg) as s:
@@ -111,7 +111,7 @@ def test_gradients_in_host_memory_equal_gradients_on_the_gpu(gpu_ray):
 
 def test_a_gpu_budget_caps_the_peak(gpu_ray):
     """worker.gpu_memory_gib: the worker's peak stays under the cap (the allocator enforces it)."""
-    from megaray.actors.session import TrainingSession
+    from megaray.driver.session import TrainingSession
     from megaray.loader import load_config
 
     cfg = load_config("debug", ["worker.device=cuda", "worker.gpu_memory_gib=3.5", "train.steps=2"])
@@ -138,7 +138,7 @@ def test_the_allocator_enforces_the_cap():
 def test_the_squared_norm_sums_in_float64_a_chunk_at_a_time():
     """schedule.square_norm on a 40M-element fp32 gradient (three chunks): equal to numpy's
     float64 sum of squares, with at most one chunk of float64 workspace."""
-    from megaray.schedule import NORM_CHUNK, square_norm
+    from megaray.clipping import NORM_CHUNK, square_norm
 
     g = torch.randn(40_000_000, device="cuda")
     torch.cuda.synchronize()
@@ -190,13 +190,13 @@ def test_loading_into_gpu_masters_on_threads(tmp_path):
 
 @pytest.mark.parametrize("grads", ["device", "host"])
 def test_resident_units_on_the_gpu_equal_streamed_ones(gpu_ray, grads):
-    """optim.placement 2 on the GPU (the embedding and block 0; torch's fused AdamW on the
+    """optim.resident_units 2 on the GPU (the embedding and block 0; torch's fused AdamW on the
     device, per weight-decay group) against every unit streamed and updated by the shards:
     equal to fp32 rounding."""
     torch.backends.cuda.matmul.allow_tf32 = False
     extra = (f"optim.grad_placement={grads}", "optim.clip_grad_norm=0.05", "optim.weight_decay=0.1")
-    ref_l, ref_w = _train("cuda", "float32", extra=(*extra, "optim.placement=host"))
-    res_l, res_w = _train("cuda", "float32", extra=(*extra, "optim.placement=2"))
+    ref_l, ref_w = _train("cuda", "float32", extra=(*extra, "optim.resident_units=host"))
+    res_l, res_w = _train("cuda", "float32", extra=(*extra, "optim.resident_units=2"))
     np.testing.assert_allclose(res_l, ref_l, rtol=1e-6)
     for k in ref_w:
         err = np.linalg.norm(res_w[k] - ref_w[k]) / np.linalg.norm(ref_w[k])
@@ -239,7 +239,7 @@ def test_the_attention_bench_times_every_kernel():
     """``megaray bench --attention-alone``: each kernel timed; the share of pairs kept by
     documents of mean 64 in rows of 512 is well under causal's."""
     from megaray.attention import varlen_kernel
-    from megaray.bench_attention import run
+    from megaray.bench.attention import run
 
     (row,) = run([(512, 2)], 64, reps=1)
     assert row["causal_s"] > 0 and row["flex_document_s"] > 0 and row["sdpa_dense_mask_s"] > 0
@@ -251,7 +251,7 @@ def test_the_attention_bench_times_every_kernel():
 def test_the_block_bench_times_fused_and_eager_passes():
     """``megaray bench --block-alone``: every case timed both ways; the block's products and
     attention alone take less than the whole block."""
-    from megaray.bench_block import run
+    from megaray.bench.block import run
 
     (row,) = run("llama1b", [(1024, 1)], reps=2)
     assert "fused_error" not in row, row.get("fused_error")

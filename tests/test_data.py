@@ -14,11 +14,11 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import dead_pid, shm_files
 
-from megaray.data import targets_kept
 from megaray.dataset import ShardDataset
 from megaray.errors import DataError
 from megaray.loader import load_config
 from megaray.prepare import PrepareOptions, prepare
+from megaray.step import Batch
 
 S = 32          # seq_len of these tests: rows of 33 tokens
 
@@ -137,7 +137,7 @@ def test_document_starts_are_recorded_and_old_shards_still_train(ray_cluster, tm
     'document' for SFT shards and 'causal' for pretraining ones; shards written before the
     starts existed load, say so, and train with causal attention, and refuse 'document'
     naming the folder; an SFT run states its attention at start."""
-    from megaray.runner import train
+    from megaray.driver.runner import train
 
     docs = _docs(60)
     _jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs])
@@ -180,7 +180,7 @@ def test_document_starts_are_recorded_and_old_shards_still_train(ray_cluster, tm
     # SFT loss masks are unchanged by document attention: a document's first token is never a target
     sft = ShardDataset(str(tmp_path / "sft"), S, 256, seed=0, shuffle=False)
     b = sft.rows_at(0, sft.train_rows, documents=True)
-    np.testing.assert_array_equal(targets_kept(b), b["loss_mask"][:, 1:] != 0)
+    np.testing.assert_array_equal(Batch(**b).targets_kept(), b["loss_mask"][:, 1:] != 0)
     assert (np.diff(b["doc"], axis=1) > 0).sum() >= 50                    # many documents start inside rows
     run = train(load_config("debug", base + [f"data.path={tmp_path / 'sft'}", f"run.dir={tmp_path / 'r-sft'}"]))
     assert "attention: document (auto: sft shards)" in (Path(run["run_dir"]) / "train.log").read_text()
@@ -218,7 +218,7 @@ def test_shuffle_is_seeded_and_each_epoch_a_permutation(ray_cluster, tmp_path):
 
 
 def test_resume_continues_with_the_next_samples(ray_cluster, tmp_path):
-    from megaray.runner import train
+    from megaray.driver.runner import train
 
     _jsonl(tmp_path / "d.jsonl", [{"text": d} for d in _docs(400)])
     prepare([str(tmp_path / "d.jsonl")], str(tmp_path / "s"), PrepareOptions(seq_len=S, holdout_fraction=0.05),
@@ -264,7 +264,7 @@ def test_bad_rows_name_file_and_line_or_are_counted(ray_cluster, tmp_path):
 
 
 def test_token_ids_outside_the_vocabulary_stop_the_run_naming_the_row(ray_cluster, tmp_path):
-    from megaray.runner import train
+    from megaray.driver.runner import train
 
     _jsonl(tmp_path / "d.jsonl", [{"text": d} for d in _docs(100)])
     out = tmp_path / "s"
@@ -313,7 +313,7 @@ def test_the_demo_holds_out_whole_files_from_across_the_corpus():
     corpus under 100 files, every (n/2)th), read
     here from the files themselves: disjoint from the training text and spread over the whole
     library, not its alphabetical tail."""
-    from megaray.data import ByteCorpus, stdlib_files
+    from megaray.corpus import ByteCorpus, stdlib_files
 
     cfg = load_config("demo", ["data.max_bytes=400000"])
     c = ByteCorpus(cfg.data, seq_len=128)

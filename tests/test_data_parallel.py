@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from conftest import shm_files
 
-from megaray.actors.session import TrainingSession
+from megaray.driver.session import TrainingSession
 from megaray.errors import ConfigError
 from megaray.loader import load_config
+from megaray.step import Batch
 
 
 def _train(workers: int, steps: int = 3, masked: bool = False):
@@ -22,7 +23,7 @@ def _train(workers: int, steps: int = 3, masked: bool = False):
         toks = rng.integers(0, 256, (4, 2, 33))
         if masked:      # uneven loss masks: the workers' shares hold different numbers of targets
             mask = (rng.random((4, 2, 33)) < 0.3 + 0.6 * (np.arange(4) >= 2)[:, None, None]).astype(np.uint8)
-            toks = {"tokens": toks, "loss_mask": mask}
+            toks = Batch(toks, loss_mask=mask)
         batches.append(toks)
     with TrainingSession(cfg) as s:
         out = [s.train_step(i, b) for i, b in enumerate(batches)]

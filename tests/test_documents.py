@@ -74,19 +74,19 @@ def test_document_work_counts_each_documents_own_pairs():
     """TFLOP/s under document attention: the attention's term counts the documents' squared
     lengths (input tokens: the last column is a target only), a row's end ending its document;
     a causal row is one document of seq tokens, which is the causal formula again."""
-    from megaray.data import square_document_lengths
     from megaray.model import flops_per_step
+    from megaray.step import Batch
 
     doc = np.array([[[0, 0, 1, 1, 1, 9], [1, 1, 2, 3, 3, 3]]])          # inputs: lengths 2, 3 | 2, 1, 2
-    batch = {"tokens": np.zeros_like(doc), "doc": doc}
-    assert square_document_lengths(batch) == 4 + 9 + 4 + 1 + 4
-    assert square_document_lengths(np.zeros((1, 2, 6), np.int64)) is None
-    whole = {"tokens": doc, "doc": np.zeros_like(doc)}
-    assert square_document_lengths(whole) == 2 * 5 * 5
+    batch = Batch(np.zeros_like(doc), doc=doc)
+    assert batch.square_document_lengths() == 4 + 9 + 4 + 1 + 4
+    assert Batch(np.zeros((1, 2, 6), np.int64)).square_document_lengths() is None
+    whole = Batch(doc, doc=np.zeros_like(doc))
+    assert whole.square_document_lengths() == 2 * 5 * 5
     cfg = ModelConfig.from_shape("debug")
     n = cfg.num_params()
-    assert flops_per_step(cfg, 10, 5, square_document_lengths(batch)) == 6 * n * 10 + 6 * 2 * 32 * 22
-    assert flops_per_step(cfg, 10, 5, square_document_lengths(whole)) == flops_per_step(cfg, 10, 5)
+    assert flops_per_step(cfg, 10, 5, batch.square_document_lengths()) == 6 * n * 10 + 6 * 2 * 32 * 22
+    assert flops_per_step(cfg, 10, 5, whole.square_document_lengths()) == flops_per_step(cfg, 10, 5)
 
 
 @pytest.mark.parametrize("lean", [True, False], ids=["lean", "plain"])

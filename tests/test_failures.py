@@ -20,10 +20,10 @@ from conftest import finish, shm_files, wait_for_steps
 
 from megaray.checkpoint import Checkpoint, Checkpointer, complete_checkpoints
 from megaray.dataset import ShardDataset
+from megaray.driver.runner import train
 from megaray.errors import CheckpointError, ConfigError, DataError
 from megaray.loader import load_config
 from megaray.prepare import PrepareOptions, prepare
-from megaray.runner import train
 
 BASE = ["train.steps=4", "train.log_every=1", "train.eval_batches=1", "data.max_bytes=50000", "checkpoint.every=2"]
 
@@ -297,7 +297,7 @@ def test_a_dead_raylet_is_named_not_a_raw_ray_error(tmp_path):
     code = (
         "import os, signal, time, ray\n"
         "from megaray.loader import load_config\n"
-        "from megaray.actors.session import TrainingSession\n"
+        "from megaray.driver.session import TrainingSession\n"
         "from megaray.errors import MegarayError\n"
         "ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)\n"
         "raylet = ray._private.worker._global_node.all_processes['raylet'][0].process\n"

@@ -16,14 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from megaray.actors.session import TrainingSession
+from megaray.clipping import NORM_CHUNK, square_norm
 from megaray.config import replaced
+from megaray.driver.session import TrainingSession
 from megaray.errors import PlanError
 from megaray.loader import load_config
+from megaray.lr_schedule import lr_at
 from megaray.machine import Machine
 from megaray.memory import GiB
 from megaray.plan import check, plan_for, resolve
-from megaray.schedule import NORM_CHUNK, lr_at, square_norm
 
 BASE = ["train.grad_accum=2", "train.steps=4", "optim.num_shards=2", "optim.grad_slab_mib=0.01",
         "optim.weight_decay=0.1"]
@@ -81,7 +82,7 @@ def test_bf16_gradients_are_adamw_on_the_rounded_gradients(ray_cluster):
 def test_auto_keeps_gradients_on_the_gpu_while_they_fit():
     cfg = load_config("debug", ["model.shape=llama8b", "train.seq_len=4096", "train.grad_accum=16",
                                 "train.micro_batch_size=1", "train.compute_dtype=bfloat16", "optim.num_shards=4",
-                                "optim.placement=host"])          # every unit's gradient through host memory
+                                "optim.resident_units=host"])          # every unit's gradient through host memory
     big = Machine(10**15, 10**15, 141 * GiB)
     small = Machine(10**15, 10**15, 24 * GiB)
     assert resolve(cfg, big).optim.grad_placement == "device"

@@ -19,11 +19,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megaray.actors.session import TrainingSession  # noqa: E402
 from megaray.checkpoint import Checkpointer  # noqa: E402
+from megaray.driver.session import TrainingSession  # noqa: E402
 from megaray.errors import ConfigError, ModelFileError  # noqa: E402
 from megaray.hf.export import export_checkpoint  # noqa: E402
 from megaray.loader import build_config  # noqa: E402
+from megaray.step import Batch  # noqa: E402
 
 COMMON = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
@@ -130,7 +131,7 @@ def test_a_packed_row_with_document_attention_equals_transformers_document_by_do
                 theirs = ref(torch.from_numpy(tokens[r, idx][None])).logits[0].detach().numpy()
                 np.testing.assert_allclose(ours[r, idx], theirs, rtol=1e-5, atol=1e-5)
 
-        m = s.train_step(0, {"tokens": tokens[None], "loss_mask": np.ones((1, 2, 17), np.uint8), "doc": doc[None]})
+        m = s.train_step(0, Batch(tokens[None], loss_mask=np.ones((1, 2, 17), np.uint8), doc=doc[None]))
         grads = s.gradients()
     loss_sum, count = 0.0, 0
     for r in range(2):
@@ -204,8 +205,9 @@ def test_model_tokenizer_feeds_the_data(ray_cluster, tmp_path, capsys):
     export` carries the tokenizer along, into a new or empty folder only."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from megaray.data import ByteCorpus, model_tokenizer, stdlib_files
-    from megaray.runner import train
+    from megaray.corpus import ByteCorpus, stdlib_files
+    from megaray.driver.runner import train
+    from megaray.tokenizer import model_tokenizer
 
     path, _ = make_hf(tmp_path, "qwen3")
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
@@ -251,7 +253,7 @@ def test_resident_units_load_from_the_model_directory(ray_cluster, tmp_path):
     unit streamed."""
     path, ref = make_hf(tmp_path, "qwen2")
     cfg = _cfg(path)
-    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement=3))
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, resident_units=3))
     with TrainingSession(cfg) as s:
         assert s.handles.resident == (0, 1, 2)
         state = s.state_dict()

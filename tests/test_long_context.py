@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import shm_files
 
+from megaray.driver.runner import train
 from megaray.layout import bind, build_layout
 from megaray.loader import load_config
 from megaray.model import block_forward, init_unit, mlp, rms_norm, rope_tables
-from megaray.runner import train
 
 
 def _plain_rms_norm(x, w, eps):

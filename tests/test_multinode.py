@@ -1,5 +1,5 @@
 """Several nodes on a simulated Ray cluster (ray.cluster_utils.Cluster: three raylets on this
-machine). With ``worker.placement=remote`` the store, the optimizer shards and the relay stay
+machine). With ``worker.node=remote`` the store, the optimizer shards and the relay stay
 on one node and the workers run on the others, reading weights and returning gradients
 through Ray's object store, never the run's shared memory: the result must be what the same
 run gives with its worker beside the store."""
@@ -12,7 +12,7 @@ import ray.util.state
 from conftest import shm_files
 from ray.cluster_utils import Cluster
 
-from megaray.actors.session import NAMESPACE, TrainingSession
+from megaray.driver.session import NAMESPACE, TrainingSession
 from megaray.errors import MegarayError
 from megaray.loader import load_config
 
@@ -29,7 +29,7 @@ def cluster():
 
 
 def _run(placement: str, workers: int = 1, extra: tuple = ()):
-    cfg = load_config("debug", [f"worker.placement={placement}", f"worker.count={workers}", "worker.device=cpu",
+    cfg = load_config("debug", [f"worker.node={placement}", f"worker.count={workers}", "worker.device=cpu",
                                 "train.grad_accum=2", "optim.num_shards=1", "optim.grad_slab_mib=0.015625",
                                 "cluster.object_store_mb=80", *extra])
     rng = np.random.default_rng(0)
@@ -78,11 +78,11 @@ def test_a_remote_worker_casts_the_fp32_master_itself(cluster):
 
 def test_remote_placement_needs_another_node(cluster):
     # no node has 3 CPUs for a worker, wherever the store lands
-    cfg = load_config("debug", ["worker.placement=remote", "worker.device=cpu", "worker.threads=3",
+    cfg = load_config("debug", ["worker.node=remote", "worker.device=cpu", "worker.threads=3",
                                 "optim.num_shards=1"])
     session = TrainingSession(cfg)
     try:
-        with pytest.raises(MegarayError, match="worker.placement=remote needs a node"):
+        with pytest.raises(MegarayError, match="worker.node=remote needs a node"):
             session.start()
     finally:
         session.close()             # (a no-op after the refusal, which already closed it)

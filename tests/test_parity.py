@@ -15,7 +15,7 @@ import pytest
 import torch
 from reference import RefLlama
 
-from megaray.actors.session import TrainingSession
+from megaray.driver.session import TrainingSession
 from megaray.loader import build_config
 
 STEPS = 6
@@ -141,13 +141,13 @@ def test_cast_on_the_device_equals_the_host_copy(ray_cluster):
 
 
 def test_compute_copy_auto_by_tokens_per_worker():
-    def cfg(tokens, count=1, placement="local", dtype="bfloat16"):
+    def cfg(tokens, count=1, node="local", dtype="bfloat16"):
         return build_config({"train": {"micro_batch_size": 1, "seq_len": 1024, "grad_accum": tokens // 1024,
                                         "compute_dtype": dtype},
-                             "worker": {"count": count, "placement": placement}})
+                             "worker": {"count": count, "node": node}})
     assert cfg(32768).host_compute_copy is False        # 32k tokens a worker or more: cast on the device
     assert cfg(16384).host_compute_copy is True
     assert cfg(65536).host_compute_copy is False
     assert cfg(65536, count=4).host_compute_copy is True          # 16k tokens each
-    assert cfg(65536, placement="remote").host_compute_copy is True
+    assert cfg(65536, node="remote").host_compute_copy is True
     assert cfg(65536, dtype="float32").host_compute_copy is False  # the master is the compute copy

@@ -1,4 +1,4 @@
-"""Resident units (``optim.placement`` N: the embedding, then the first blocks): state on the
+"""Resident units (``optim.resident_units`` N: the embedding, then the first blocks): state on the
 worker's device, updated there.
 
 On the CPU a resident unit runs the shards' own AdamW calls piece by piece, so any placement
@@ -21,9 +21,10 @@ import ray
 import torch
 from safetensors.torch import load_file
 
-from megaray.actors.session import TrainingSession
 from megaray.checkpoint import Checkpoint
 from megaray.cost import ADAMW_PER_CORE, Speeds, predict
+from megaray.driver.runner import train
+from megaray.driver.session import TrainingSession
 from megaray.errors import ConfigError, PlanError
 from megaray.hf.export import export_checkpoint
 from megaray.layout import align, build_layout
@@ -31,7 +32,6 @@ from megaray.loader import load_config
 from megaray.machine import Machine
 from megaray.memory import GiB
 from megaray.plan import best, cast_slab_bytes, check, choose_placement, gpu_budget, plan, resolve
-from megaray.runner import train
 
 BASE = ["train.grad_accum=2", "train.steps=3", "optim.num_shards=2", "optim.grad_slab_mib=0.01",
         "optim.weight_decay=0.1", "optim.warmup_steps=0"]
@@ -42,7 +42,7 @@ def _train(*extra: str, steps: int = 3):
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 256, (2, 2, 33)) for _ in range(steps)]
     with TrainingSession(cfg) as s:
-        assert s.handles.resident == tuple(range(cfg.optim.resident_units))
+        assert s.handles.resident == tuple(range(cfg.optim.resident_count))
         ms = [s.train_step(i, b) for i, b in enumerate(batches)]
         resident = ray.get(s.actors["worker"].resident_state.remote())
         return ms, s.state_dict(), resident
@@ -65,9 +65,9 @@ PLACEMENT = {"ring-clipped": 1, "ring-skipped-step": 3, "host-clipped": 2, "host
 @pytest.mark.parametrize("case", list(CASES))
 def test_resident_units_equal_streamed_units_bit_for_bit(ray_cluster, case):
     opts = CASES[case]
-    ref, ref_w, _ = _train("optim.placement=host", *opts)
+    ref, ref_w, _ = _train("optim.resident_units=host", *opts)
     placement = PLACEMENT[case]
-    got, got_w, resident = _train(f"optim.placement={placement}", *opts)
+    got, got_w, resident = _train(f"optim.resident_units={placement}", *opts)
     np.testing.assert_array_equal([m["loss"] for m in got], [m["loss"] for m in ref])   # NaN = NaN
     assert [m["skipped"] for m in got] == [m["skipped"] for m in ref]
     if "debug.nonfinite_steps=[1]" in opts:
@@ -112,10 +112,10 @@ def test_a_checkpoint_resumes_with_another_placement(all_host_run, tmp_path, bef
             raise KeyError("interrupt")
 
     with pytest.raises(KeyError):
-        train(cfg(tmp_path / "cut", "checkpoint.every=3", f"optim.placement={before}"), on_step=interrupt)
+        train(cfg(tmp_path / "cut", "checkpoint.every=3", f"optim.resident_units={before}"), on_step=interrupt)
     written = Checkpoint(next((tmp_path / "cut").rglob("step-*")))
     assert ("resident.bin" in written.parts) == (before != "host")
-    s = train(cfg(tmp_path / "cut", f"optim.placement={after}"))
+    s = train(cfg(tmp_path / "cut", f"optim.resident_units={after}"))
     assert s["first_step"] == 3
     want = _losses(ref)
     assert _losses(s) == {k: want[k] for k in (4, 5, 6)}
@@ -140,15 +140,15 @@ def _masters(path) -> dict[int, torch.Tensor]:
 
 
 def test_placement_is_checked_with_the_key_named():
-    with pytest.raises(ConfigError, match="optim.placement.*4 resident units, but the model has the embedding "
+    with pytest.raises(ConfigError, match="optim.resident_units.*4 resident units, but the model has the embedding "
                                           r"and 2 blocks before the head \(at most 3"):
-        load_config("debug", ["optim.placement=4"])
-    with pytest.raises(ConfigError, match="optim.placement.*fp32 master and fp32 moments"):
-        load_config("debug", ["optim.placement=1", "optim.moment_dtype=bfloat16"])
-    with pytest.raises(ConfigError, match="optim.placement.*one worker"):
-        load_config("debug", ["optim.placement=1", "worker.count=2"])
-    with pytest.raises(ConfigError, match="optim.placement.*must be host, auto or a number"):
-        load_config("debug", ["optim.placement=everywhere"])
+        load_config("debug", ["optim.resident_units=4"])
+    with pytest.raises(ConfigError, match="optim.resident_units.*fp32 master and fp32 moments"):
+        load_config("debug", ["optim.resident_units=1", "optim.moment_dtype=bfloat16"])
+    with pytest.raises(ConfigError, match="optim.resident_units.*one worker"):
+        load_config("debug", ["optim.resident_units=1", "worker.count=2"])
+    with pytest.raises(ConfigError, match="optim.resident_units.*must be host, auto or a number"):
+        load_config("debug", ["optim.resident_units=everywhere"])
 
 
 def test_the_plan_moves_resident_state_from_host_to_gpu():
@@ -164,7 +164,7 @@ def test_the_plan_moves_resident_state_from_host_to_gpu():
     embed = 128256 * 2048
     for gp, per_param, grads in (("device", 14, 0), ("host", 18, 4)):
         host = plan(load_config("debug", [*over, f"optim.grad_placement={gp}"]))
-        res = plan(load_config("debug", [*over, "optim.placement=3", f"optim.grad_placement={gp}"]))
+        res = plan(load_config("debug", [*over, "optim.resident_units=3", f"optim.grad_placement={gp}"]))
         assert (res.gpu["resident units (embedding + 2 blocks: master, moments, copy)"]
                 == 2 * block * per_param + embed * 14)
         assert res.gpu["weight slots (head, 2 blocks)"] == host.gpu["weight slots (embed, head, 2 blocks)"] - 2 * embed
@@ -202,7 +202,7 @@ def test_the_forward_waits_for_each_streamed_update():
     assert streamed["wait_updates_s"] == pytest.approx((embed + 2 * block + head) / rate - 2 * f)
 
     def placed(n):
-        return predict(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement=n)), speeds)
+        return predict(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, resident_units=n)), speeds)
 
     assert placed(1)["wait_updates_s"] == pytest.approx((2 * block + head) / rate - 2 * f)
     assert placed(2)["wait_updates_s"] == pytest.approx((block + head) / rate - 2 * f)   # block 1's, then the head's
@@ -224,12 +224,12 @@ def test_the_forward_waits_for_each_streamed_update():
 def test_auto_placement_is_the_fastest_that_fits():
     over = ["model.shape=llama3b", "train.seq_len=2048", "train.micro_batch_size=4", "train.grad_accum=2",
             "train.compute_dtype=bfloat16", "optim.num_shards=7", "optim.threads_per_shard=2",
-            "optim.placement=auto"]
+            "optim.resident_units=auto"]
     cfg = load_config("debug", over)
     big = Machine(10**15, 10**15, 139 * GiB)
-    chosen = resolve(cfg, big).optim.placement
+    chosen = resolve(cfg, big).optim.resident_units
     rows = choose_placement(resolve(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim,
-                                                                                       placement="host")), big),
+                                                                                       resident_units="host")), big),
                             Speeds(cores=14), gpu_budget(cfg, big), cast_slab_bytes(cfg))
     by_n = {r["resident"]: r for r in rows}
     assert isinstance(chosen, int) and chosen > 0
@@ -237,14 +237,14 @@ def test_auto_placement_is_the_fastest_that_fits():
     assert all(r["gpu_bytes"] <= gpu_budget(cfg, big) for r in rows)
     # a smaller GPU holds fewer resident blocks; without a GPU, or with bf16 moments, none
     small = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, gpu_memory_gib=24))
-    assert resolve(small, big).optim.placement in ("host", *range(chosen + 1))
-    assert resolve(cfg, Machine(10**15, 10**15, None)).optim.placement == "host"
+    assert resolve(small, big).optim.resident_units in ("host", *range(chosen + 1))
+    assert resolve(cfg, Machine(10**15, 10**15, None)).optim.resident_units == "host"
     bf16 = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, moment_dtype="bfloat16"))
-    assert resolve(bf16, big).optim.placement == "host"
+    assert resolve(bf16, big).optim.resident_units == "host"
 
 
 def test_auto_chooses_where_gradients_live_with_the_placement():
-    """optim.grad_placement and optim.placement auto, chosen together: under a 24 GiB budget
+    """optim.grad_placement and optim.resident_units auto, chosen together: under a 24 GiB budget
     the step's gradients held on the GPU leave room for no resident unit, while in host memory
     they leave room for several, and without clipping that predicted step is the faster. With
     clipping, fp32 state updated from host memory moves 36 bytes a parameter (the clipped
@@ -279,7 +279,7 @@ def test_auto_chooses_where_gradients_live_with_the_placement():
 def test_resident_units_take_no_host_memory(ray_cluster):
     """A resident unit's regions of the shared files are never written: the files stay
     sparse there (tmpfs allocates only the streamed units' pages)."""
-    cfg = load_config("debug", [*BASE, "optim.placement=2", "optim.grad_placement=host"])
+    cfg = load_config("debug", [*BASE, "optim.resident_units=2", "optim.grad_placement=host"])
     rng = np.random.default_rng(0)
     with TrainingSession(cfg) as s:
         for i in range(2):
@@ -293,14 +293,14 @@ def test_resident_units_take_no_host_memory(ray_cluster):
 def test_a_14b_model_with_fp32_state_fits_one_h200_through_resident_units():
     """qwen14b with fp32 master and moments (177 GB of training state) does not fit 120 GiB
     of host memory streamed; auto finds the resident units that make it fit with the GPU."""
-    cfg = load_config("qwen14b", [])                    # configs/qwen14b.yaml: optim.placement auto
+    cfg = load_config("qwen14b", [])                    # configs/qwen14b.yaml: optim.resident_units auto
     machine = Machine(120 * GiB, 120 * GiB, 139 * GiB)
     assert 12 * cfg.model.num_params() > 120 * GiB               # fp32 master and moments alone: 177 GB
     with pytest.raises(PlanError, match="host memory: needs") as e:
-        check(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, placement="host")), machine)
-    assert "optim.placement=auto (the embedding and the first" in str(e.value)   # the refusal names the way out
+        check(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, resident_units="host")), machine)
+    assert "optim.resident_units=auto (the embedding and the first" in str(e.value)   # the refusal names the way out
     p = check(resolve(cfg, machine), machine)
-    n = resolve(cfg, machine).optim.placement
+    n = resolve(cfg, machine).optim.resident_units
     assert isinstance(n, int) and 1 < n < 49
     assert p.host_total <= 120 * GiB and p.gpu_total <= gpu_budget(cfg, machine)
 
@@ -308,7 +308,7 @@ def test_a_14b_model_with_fp32_state_fits_one_h200_through_resident_units():
 def test_the_gpu_worker_runs_expandable_segments_unless_the_user_chose_the_allocator():
     """The worker's allocator settings: the user's, from either variable torch reads, passed on
     as they are; otherwise expandable segments (fixed ones stranded 11.5 GiB of a 14B step)."""
-    from megaray.actors.session import cuda_allocator_env
+    from megaray.driver.session import cuda_allocator_env
 
     default = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert cuda_allocator_env({}) == default
@@ -322,7 +322,7 @@ def test_the_gpu_worker_runs_expandable_segments_unless_the_user_chose_the_alloc
 def _llama8b_on_the_h200_machine():
     over = ["model.shape=llama8b", "train.seq_len=4096", "train.micro_batch_size=1", "train.grad_accum=16",
             "train.compute_dtype=bfloat16", "optim.num_shards=7", "optim.threads_per_shard=2",
-            "optim.placement=auto", "optim.grad_placement=device"]
+            "optim.resident_units=auto", "optim.grad_placement=device"]
     return load_config("debug", over), Machine(int(119.8 * GiB), int(119.8 * GiB), int(139.8 * GiB))
 
 
@@ -336,7 +336,7 @@ def test_a_host_with_slower_updates_gets_more_resident_units():
     assert predict(placed, Speeds(cores=14, update_scale=0.5))["updates_s"] == pytest.approx(
         2 * predict(placed, Speeds(cores=14))["updates_s"])
     slow = resolve(cfg, h200, Speeds(cores=14, update_scale=0.72))
-    assert slow.optim.placement > placed.optim.placement
+    assert slow.optim.resident_units > placed.optim.resident_units
     assert (predict(slow, Speeds(cores=14, update_scale=0.72))["step_s"]
             < predict(placed, Speeds(cores=14, update_scale=0.72))["step_s"])
 

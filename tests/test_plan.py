@@ -165,7 +165,7 @@ def test_check_refuses_with_the_shortfall():
 def test_gradient_ring_deepens_with_what_host_memory_spares():
     # 4 shards: 8 slabs at the shallowest, 32 at the deepest; llama3b's pieces fill 64 MiB slabs
     cfg = load_config("debug", ["model.shape=llama3b", "train.compute_dtype=bfloat16", "optim.num_shards=4",
-                                "optim.placement=host", "optim.grad_placement=device"])
+                                "optim.resident_units=host", "optim.grad_placement=device"])
     slab = 64 * 2**20
     shallow = plan_for(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, grad_ring_slabs=8)),
                        Machine(10**15, 10**15, None))
@@ -206,7 +206,7 @@ def test_largest_fit_is_the_edge():
 def test_train_refuses_an_8b_model_here_before_any_actor(ray_cluster, tmp_path):
     import ray
 
-    from megaray.runner import train
+    from megaray.driver.runner import train
 
     cfg = load_config("debug", ["model.shape=llama8b", "train.seq_len=512", "train.compute_dtype=bfloat16",
                                 f"run.dir={tmp_path}", "run.name=big"])

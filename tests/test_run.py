@@ -12,10 +12,10 @@ import ray
 import yaml
 from conftest import shm_files
 
-from megaray.actors.session import NAMESPACE, TrainingSession
+from megaray.driver.runner import train
+from megaray.driver.session import NAMESPACE, TrainingSession
 from megaray.errors import ActorFailure
 from megaray.loader import load_config
-from megaray.runner import train
 from megaray.shm import PREFIX, remove_stale
 
 
@@ -44,7 +44,7 @@ def test_demo_config_trains_end_to_end(ray_cluster, tmp_path):
     ea = EventAccumulator(str(run_dir / "tb"))
     ea.Reload()
     tags = ea.Tags()["scalars"]
-    from megaray.actors.metrics import STEP_GAUGES
+    from megaray.step import STEP_GAUGES
 
     for name in STEP_GAUGES:                                        # one name in metrics.jsonl, TB and Prometheus
         assert f"train/{name}" in tags and name in rows[0], name

@@ -9,6 +9,7 @@ compared with torch.optim.AdamW run by the test on whole tensors.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -19,7 +20,8 @@ from megaray.buffers import Handles, RunBuffers
 from megaray.errors import ActorFailure
 from megaray.layout import assign_pieces, build_layout, cut_pieces
 from megaray.loader import load_config
-from megaray.schedule import lr_at
+from megaray.lr_schedule import lr_at
+from megaray.step import Batch, StepResult
 
 
 def test_pieces_by_hand():
@@ -48,8 +50,13 @@ class StandInWorker:
     def __init__(self, h: Handles):
         self.h, self.buf = h, RunBuffers(h, kinds=("ring", "control"))
         self.max_in_flight = 0
+        self.grads = {}
 
-    def run_step(self, step, grads):
+    def will_ship(self, step, grads):
+        self.grads[step] = grads
+
+    def run_step(self, step, batch):
+        grads = self.grads.pop(step)
         control, ring = self.buf.control, self.buf.ring
         for u in range(self.h.num_units):            # the forward: every unit at this step's version
             control.wait_versions(self.h.unit_pieces(u), step, f"unit {u}", 30)
@@ -59,11 +66,16 @@ class StandInWorker:
             for p in self.h.pieces:
                 ring.put(p, step, lambda dst, p=p: dst.copy_(grads[p.unit][p.start:p.stop]), 30)
                 self.max_in_flight = max(self.max_in_flight, control.in_flight())
-        return {"loss_sum": 10.0, "tokens": 5, "grad_norm": 1.0, "clip_coef": 1.0, "applied": applied,
-                "compute_s": 0.0}
+        return StepResult(loss_sum=10.0, tokens=5, grad_norm=1.0, clip_coef=1.0, applied=applied)
 
     def in_flight(self):
         return self.max_in_flight
+
+
+def _step(sched, worker, step, grads):
+    """Step ``step`` through the scheduler, the stand-in worker shipping ``grads`` (None: skipped)."""
+    ray.get(worker.will_ship.remote(step, grads))
+    return ray.get(sched.train_step.remote(step, Batch(np.zeros((1, 1, 2), np.int64))))
 
 
 def _setup(tmp_path, overrides=()):
@@ -112,7 +124,7 @@ def test_every_piece_goes_through_the_ring_and_matches_adamw(ray_cluster, tmp_pa
     g = torch.Generator().manual_seed(1)
     steps = [[torch.randn(u.numel, generator=g) for u in h.units] for _ in range(3)]
     for step, grads in enumerate(steps):
-        m = ray.get(sched.train_step.remote(step, grads))
+        m = _step(sched, worker, step, grads)
         assert m["step"] == step + 1 and not m["skipped"]
         assert ray.get(sched.state.remote())["phase"] == "apply"    # updates overlap the next step
     ray.get(sched.drain.remote())
@@ -130,9 +142,9 @@ def test_every_piece_goes_through_the_ring_and_matches_adamw(ray_cluster, tmp_pa
 
 
 def test_a_skipped_step_bumps_versions_and_changes_nothing(ray_cluster, tmp_path):
-    _, h, buf, sched, _, shards = _setup(tmp_path)
+    _, h, buf, sched, worker, shards = _setup(tmp_path)
     init = [buf.master(u.index).clone() for u in h.units]
-    m = ray.get(sched.train_step.remote(0, None))
+    m = _step(sched, worker, 0, None)
     ray.get(sched.drain.remote())
     assert m["skipped"] and ray.get(sched.state.remote())["skipped_steps"] == 1
     assert [buf.control.version(p.index) for p in h.pieces] == [1] * len(h.pieces)
@@ -144,11 +156,11 @@ def test_a_skipped_step_bumps_versions_and_changes_nothing(ray_cluster, tmp_path
 
 
 def test_a_failed_update_aborts_the_run(ray_cluster, tmp_path):
-    _, h, buf, sched, _, _ = _setup(tmp_path, ["debug.crash_actor=optimizer", "debug.crash_step=1"])
+    _, h, buf, sched, worker, _ = _setup(tmp_path, ["debug.crash_actor=optimizer", "debug.crash_step=1"])
     grads = [torch.ones(u.numel) for u in h.units]
-    ray.get(sched.train_step.remote(0, grads))
+    _step(sched, worker, 0, grads)
     with pytest.raises(ActorFailure) as e:
-        ray.get(sched.train_step.remote(1, grads))
+        _step(sched, worker, 1, grads)
     assert "optimizer-" in str(e.value) and "injected crash at step 1" in str(e.value)
     assert buf.control.aborted                                      # waiting actors are released
     assert ray.get(sched.state.remote())["phase"] == "failed"
@@ -166,13 +178,13 @@ def _adamw_by_hand(p, g, m, v, step, lr, cfg, decay_numel):
 
 
 def test_bf16_moments_match_adamw_with_moments_rounded_each_step(ray_cluster, tmp_path):
-    cfg, h, buf, sched, _, shards = _setup(tmp_path, ["optim.moment_dtype=bfloat16"])
+    cfg, h, buf, sched, worker, shards = _setup(tmp_path, ["optim.moment_dtype=bfloat16"])
     ref = [buf.master(u.index).clone() for u in h.units]
     moments = [(torch.zeros(u.numel), torch.zeros(u.numel)) for u in h.units]
     g = torch.Generator().manual_seed(2)
     for step in range(3):
         grads = [torch.randn(u.numel, generator=g) for u in h.units]
-        ray.get(sched.train_step.remote(step, grads))
+        _step(sched, worker, step, grads)
         lr = lr_at(step, cfg.optim, cfg.train.steps)
         for u in h.units:
             p, m, v = _adamw_by_hand(ref[u.index], grads[u.index], *moments[u.index], step + 1, lr, cfg, u.decay_numel)
@@ -190,12 +202,12 @@ def test_bf16_moments_match_adamw_with_moments_rounded_each_step(ray_cluster, tm
 
 
 def test_bf16_master_rounds_stochastically_to_a_neighbour(ray_cluster, tmp_path):
-    cfg, h, buf, sched, _, _ = _setup(tmp_path, ["optim.master_dtype=bfloat16", "train.compute_dtype=bfloat16"])
+    cfg, h, buf, sched, worker, _ = _setup(tmp_path, ["optim.master_dtype=bfloat16", "train.compute_dtype=bfloat16"])
     assert h.aliased and buf.master(0).dtype == torch.bfloat16      # the worker reads the master itself
     init = [buf.master(u.index).float() for u in h.units]
     g = torch.Generator().manual_seed(3)
     grads = [torch.randn(u.numel, generator=g) for u in h.units]
-    ray.get(sched.train_step.remote(0, grads))
+    _step(sched, worker, 0, grads)
     ray.get(sched.drain.remote())
     lr = lr_at(0, cfg.optim, cfg.train.steps)
     ups = downs = 0

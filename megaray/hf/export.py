@@ -17,7 +17,7 @@ from megaray.checkpoint import Checkpoint, complete_checkpoints
 from megaray.config import ModelConfig
 from megaray.errors import CheckpointError, ExportError
 from megaray.hf import ARCHITECTURES, SIDE_FILES
-from megaray.layout import build_layout
+from megaray.layout import DTYPES, build_layout
 from megaray.leftovers import remove_dead_tmp
 
 
@@ -139,7 +139,7 @@ def export_checkpoint(path: str | os.PathLike, out_dir: str | os.PathLike, dtype
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     try:
         written = write_hf_dir(tmp, model, specs, get, model.from_path,
-                               {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype], shard_bytes, on_shard)
+                               DTYPES[dtype], shard_bytes, on_shard)
         os.rename(tmp, out)                 # onto a missing or an empty folder
     except OSError as e:
         raise ExportError(f"writing {out_dir} failed ({e.strerror or e}); nothing was left there") from e

@@ -17,10 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from megaray.actors.metrics import STEP_GAUGES
 from megaray.config import RunConfig
 from megaray.errors import ConfigError
 from megaray.loader import dump_config
+from megaray.step import STEP_GAUGES
 
 log = logging.getLogger("megaray")
 LOG_FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megaray import fused
-from megaray.bench_attention import median_seconds
+from megaray.bench.attention import median_seconds
 from megaray.config import ModelConfig
 from megaray.model import block_forward, rope_tables
 

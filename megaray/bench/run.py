@@ -19,85 +19,19 @@ import time
 import numpy as np
 import ray
 import torch
-import torch.nn as nn
 
-from megaray import fused
 from megaray.actors.metrics import node_memory_used_bytes
-from megaray.actors.session import TrainingSession
 from megaray.checkpoint import Checkpointer
 from megaray.config import RunConfig
 from megaray.cost import predict
-from megaray.data import square_document_lengths
-from megaray.layout import build_layout, short_name
+from megaray.driver.session import TrainingSession
 from megaray.loader import build_config
 from megaray.memory import CUDA_CONTEXT_BYTES
-from megaray.model import block_forward, embed_forward, flops_per_step, rms_norm, rope_tables
+from megaray.model import flops_per_step
 from megaray.plan import describe_placement, plan
+from megaray.step import Batch
 
-
-class BaselineLlama(nn.Module):
-    """Every weight an nn.Parameter on one device; the same math as megaray's templates."""
-
-    def __init__(self, cfg, state: dict[str, np.ndarray], device):
-        super().__init__()
-        self.cfg = cfg
-        self.units = build_layout(cfg)
-        self.params = nn.ParameterDict({
-            k.replace(".", "__"): nn.Parameter(torch.tensor(v, device=device)) for k, v in state.items()})
-        self.rope = rope_tables(cfg, cfg.max_position_embeddings, device)
-
-    def _w(self, unit) -> dict:
-        return {short_name(s.name): self.params[s.name.replace(".", "__")] for s in unit.params}
-
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = embed_forward(self._w(self.units[0]), tokens)
-        for u in self.units[1:-1]:
-            x = block_forward(self._w(u), x, self.rope, self.cfg, lean=False)   # plain autograd
-        wh = self._w(self.units[-1])
-        h = rms_norm(x, wh["model.norm.weight"], self.cfg.rms_norm_eps)
-        out = self.params["model__embed_tokens__weight"] if self.cfg.tie_word_embeddings else wh["lm_head.weight"]
-        logits = (h @ out.t()).float()
-        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def run_baseline(cfg: RunConfig, state, batches, device: str = "cuda") -> dict:
-    """Train the baseline on ``batches`` [grad_accum, micro_batch, seq + 1]: bf16 autocast on
-    CUDA (fp32 on the CPU), loss divided by the micro-batches, exact clipping, fused AdamW;
-    the blocks' elementwise passes fused as megaray's are (``worker.fuse_elementwise``)."""
-    cuda = device == "cuda"
-    fused.configure(cfg.worker.fuse_elementwise)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    model = BaselineLlama(cfg.model, state, device)
-    o = cfg.optim
-    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": o.weight_decay},
-              {"params": [p for p in model.parameters() if p.ndim < 2],
-               "weight_decay": o.weight_decay if o.decay_norms_and_biases else 0.0}]
-    opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=True)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    times, losses = [], []
-    for tok in batches:
-        sync()
-        t0 = time.perf_counter()
-        t = torch.as_tensor(tok, device=device)
-        total = 0.0
-        for m in range(t.shape[0]):
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-                loss = model(t[m, :, :-1], t[m, :, 1:]) / t.shape[0]
-            loss.backward()
-            total += loss.detach()
-        if cfg.optim.clip_grad_norm:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad_norm)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(total))
-        sync()
-        times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated() if cuda else 0
-    del model, opt
-    if cuda:
-        torch.cuda.empty_cache()
-    return {"times": times, "losses": losses, "gpu_peak_gib": peak / 2**30}
+from .baseline import run_baseline
 
 
 def bench_config(shape: str, seq_len: int, tokens_per_step: int, micro_batch: int, steps: int, shards: int,
@@ -170,14 +104,12 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
     t, steps = cfg.train, cfg.train.steps
     tokens_per_step = t.tokens_per_step
     rng = np.random.default_rng(seed)
-    batches = [rng.integers(0, cfg.model.vocab_size, (t.grad_accum, t.micro_batch_size, t.seq_len + 1))
-               for _ in range(steps)]
-    docs = [document_ids(rng, b.shape, documents) for b in batches] if documents else None
+    tokens = [rng.integers(0, cfg.model.vocab_size, (t.grad_accum, t.micro_batch_size, t.seq_len + 1))
+              for _ in range(steps)]
+    batches = [Batch(b, doc=document_ids(rng, b.shape, documents) if documents else None) for b in tokens]
     causal = flops_per_step(cfg.model, tokens_per_step, t.seq_len)      # the baseline's work
     # megaray's work per step: under document attention, each document's own
-    flops = [flops_per_step(cfg.model, tokens_per_step, t.seq_len,
-                            square_document_lengths({"tokens": b, "doc": docs[i]}) if docs else None)
-             for i, b in enumerate(batches)]
+    flops = [flops_per_step(cfg.model, tokens_per_step, t.seq_len, b.square_document_lengths()) for b in batches]
     out: dict = {"shape": cfg.model.shape, "params": cfg.model.num_params(), "seq_len": t.seq_len,
                  "attention": f"document (mean length {documents})" if documents else "causal",
                  "tokens_per_step": tokens_per_step, "micro_batch": t.micro_batch_size, "grad_accum": t.grad_accum,
@@ -189,7 +121,7 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
         state = s.state_dict() if baseline else None
         out["state_dict_s"] = time.perf_counter() - t0
         for i, b in enumerate(batches):
-            ms.append(s.train_step(i, {"tokens": b, "doc": docs[i]} if docs else b))
+            ms.append(s.train_step(i, b))
             m = ms[-1]       # now, so that a long step measured is not lost to a later failure
             kept = m.get("worker/kept_blocks", 0)
             print(f"megaray step {i}: {m['step_time_seconds']:.3f} s, {flops[i] / m['step_time_seconds'] / 1e12:.1f} "
@@ -197,7 +129,7 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
                   f"GPU idle {100 * breakdown(m)['gpu_idle_fraction']:.1f}%; {kept} blocks kept, step "
                   f"{predict(s.cfg, s.speeds, keep=kept)['step_s']:.3f} s predicted", flush=True)
         s.drain()
-        out["resident_units"] = len(s.handles.resident)     # optim.placement, as the session resolved it
+        out["resident_units"] = len(s.handles.resident)     # optim.resident_units, as the session resolved it
         out["ring_slabs"] = s.handles.ring_slabs            # optim.grad_ring_slabs, likewise (0: no ring)
         out["host_bytes_per_param"] = plan(s.cfg).host_bytes_per_param
         try:
@@ -230,7 +162,7 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
                       "step_predicted_s": predicted_step, "update_scale": s.speeds.update_scale}
     key = "optimizer_params_per_second_all_shards"
     rates = [m[key] for m in ms[1:] if key in m]
-    if docs:     # the attention's work against causal attention over whole rows
+    if documents:     # the attention's work against causal attention over whole rows
         attn = 6.0 * cfg.model.num_hidden_layers * cfg.model.hidden_size
         out["attention_work_of_causal"] = ((flops[ms.index(med)] - causal) / (attn * t.seq_len * tokens_per_step)
                                            + 1.0)
@@ -246,7 +178,7 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
         if cfg.worker.device == "cuda":     # fp32 weights, gradients, two moments, and some activations
             _await_gpu_memory(cfg.model.num_params() * 20)
         try:
-            b = run_baseline(cfg, state, batches, "cuda" if cfg.worker.device == "cuda" else "cpu")
+            b = run_baseline(cfg, state, tokens, "cuda" if cfg.worker.device == "cuda" else "cpu")
             bs = statistics.median(b["times"][1:] if len(b["times"]) > 1 else b["times"])
             out["baseline"] = {"step_s": bs, "tflops": causal / bs / 1e12, "losses": b["losses"],
                                "gpu_peak_gib": b["gpu_peak_gib"]}

@@ -13,6 +13,23 @@ import time
 
 import numpy as np
 
+
+def random_state(numel: int, master_dtype: str, grad_dtype: str, moment_dtype: str, copy: bool,
+                 seed: int = 0) -> tuple:
+    """(master, gradient, m, v, the bf16 copy or None) of ``numel`` parameters in the given
+    storage, random weights and gradient, zero moments: what the update benchmarks and the
+    start-up measurement of the shards' rate update."""
+    import torch
+
+    from megaray.layout import DTYPES
+
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(numel, generator=gen).to(DTYPES[master_dtype])
+    g = torch.randn(numel, generator=gen).to(DTYPES[grad_dtype])
+    m, v = torch.zeros(numel, dtype=DTYPES[moment_dtype]), torch.zeros(numel, dtype=DTYPES[moment_dtype])
+    return p, g, m, v, (torch.empty(numel, dtype=torch.bfloat16) if copy else None)
+
+
 COMBOS = {   # name: (master, gradient, moments, host copy, bytes a parameter)
     "fp32": ("float32", "float32", "float32", False, 28),
     "fp32+copy": ("float32", "float32", "float32", True, 30),
@@ -30,7 +47,7 @@ def _worker(kind, combo, n, threads, reps, q, barrier):
 
     torch.set_num_threads(threads)
     pdt, gdt, mdt, copy, _ = COMBOS[combo]
-    p, g, m, v, c = adamw.random_state(n, pdt, gdt, mdt, copy)
+    p, g, m, v, c = random_state(n, pdt, gdt, mdt, copy)
     h = adamw.hyper(1e-4, (0.9, 0.95), 1e-8, 0.1, 1)
     if kind == "megaray":
         opt = adamw.AdamW(threads)

@@ -2,7 +2,7 @@
 
 ``train(cfg)`` is what ``megaray train`` and the ``ray job submit`` entrypoint call. A run
 goes through ``Trainer``'s stages, setup -> resume -> loop -> finish, and leaves a run
-directory a person can read (``megaray.runlog``); the Ray it runs on is ``megaray.cluster``'s.
+directory a person can read (``megaray.driver.runlog``); the Ray it runs on is ``megaray.driver.cluster``'s.
 
 The loop asks each component whether it is due (``Checkpointer.due``, ``Evaluator.due``,
 ``RunLog.due``) rather than testing step numbers inline. Every actor failure goes through
@@ -16,13 +16,14 @@ import contextlib
 import signal
 import threading
 import time
+from dataclasses import dataclass
 
-from megaray.actors.session import TrainingSession, new_run_id
 from megaray.checkpoint import Checkpointer
-from megaray.cluster import dashboard_url
 from megaray.config import RunConfig
+from megaray.driver.cluster import dashboard_url
+from megaray.driver.runlog import Progress, RunLog, fmt_time, log
+from megaray.driver.session import TrainingSession, new_run_id
 from megaray.errors import ActorFailure, CheckpointError, RunStopped, TrainingDiverged
-from megaray.runlog import Progress, RunLog, fmt_time, log
 
 
 class Evaluator:
@@ -87,15 +88,34 @@ def interrupts_held():
             signal.signal(signal.SIGINT, old)
 
 
+@dataclass
+class DataTimes:
+    """The driver's wait for batches and the data actor's work, against the steps' time."""
+
+    wait_s: float = 0.0
+    build_s: float = 0.0
+    steps_s: float = 0.0
+
+
 class Trainer:
     """One training run: ``setup``, ``resume``, ``loop``, ``finish``; ``close`` however it ends."""
 
     def __init__(self, cfg: RunConfig, run_id: str, on_step=None):
         self.cfg, self.run_id, self.on_step = cfg, run_id, on_step
-        self.session = None
+        self.session: TrainingSession | None = None
         self.ckpt: Checkpointer | None = None
         self.runlog: RunLog | None = None
+        self.summary: dict = {}                  # the run log's summary.json, once setup made it
         self.stop: _StopFlag | None = None
+        self.evaluator = Evaluator(cfg)
+        self.restarts = RestartPolicy(cfg.checkpoint.max_restarts)
+        self.data_restarts = 0
+        self.t_start = time.perf_counter()
+        self.step = 0                            # steps done (the next step's index)
+        self.position = 0                        # the data stream's position of the next batch
+        self.consecutive = 0                     # non-finite steps in a row
+        self.losses: list[float] = []
+        self.data = DataTimes()
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> None:
@@ -113,9 +133,6 @@ class Trainer:
         self.runlog.write_summary()
         log.info("checkpoints: %s", self.ckpt.root.resolve())
         self.stop = _StopFlag()
-        self.evaluator = Evaluator(cfg)
-        self.restarts = RestartPolicy(cfg.checkpoint.max_restarts)
-        self.data_restarts = 0
         self.t_start = time.perf_counter()
 
     # ---------------------------------------------------------------- resume
@@ -159,8 +176,7 @@ class Trainer:
                  cfg.model.num_params() / 1e6, cfg.train.tokens_per_step, self.step, cfg.train.steps,
                  cfg.train.compute_dtype, weights)
         self.runlog.progress = Progress(cfg.train.steps, start=self.step)
-        self.losses: list[float] = []
-        self.data_t = [0.0, 0.0, 0.0]     # data wait, data build, step time
+        self.losses, self.data = [], DataTimes()
         while self.step < cfg.train.steps:
             try:
                 batch, data_wait, data_build = self.session.batch(self.position)
@@ -190,8 +206,9 @@ class Trainer:
         cfg = self.cfg
         self.position += self.session.rows_per_step
         m.update(data_wait_seconds=data_wait, data_build_seconds=data_build, data_position=self.position)
-        t = self.data_t
-        self.data_t = [t[0] + data_wait, t[1] + data_build, t[2] + m["step_time_seconds"]]
+        self.data.wait_s += data_wait
+        self.data.build_s += data_build
+        self.data.steps_s += m["step_time_seconds"]
         self.losses.append(m["loss"])
         self.consecutive = self.consecutive + 1 if m["skipped"] else 0
         if m["skipped"]:
@@ -245,14 +262,14 @@ class Trainer:
             self.runlog.tb.add_scalar("eval/loss", eval_loss, cfg.train.steps)
         wall = time.perf_counter() - self.t_start
         tail = self.losses[-min(10, len(self.losses)):] or [float("nan")]
-        t = self.data_t
+        d = self.data
         s.update({
             "status": "succeeded", "steps": cfg.train.steps,
             "first_loss": self.losses[0] if self.losses else None, "last_loss": sum(tail) / len(tail),
             "heldout_loss": eval_loss, "wall_time_s": wall, "checkpoint": str(final),
             "tokens_per_second": cfg.train.tokens_per_step * max(1, cfg.train.steps - s["first_step"]) / wall,
             # the driver's wait for batches, and the data actor's work, against the steps' time
-            "data_wait_share": t[0] / max(t[2], 1e-9), "data_build_share": t[1] / max(t[2], 1e-9),
+            "data_wait_share": d.wait_s / max(d.steps_s, 1e-9), "data_build_share": d.build_s / max(d.steps_s, 1e-9),
             "data_restarts": self.data_restarts,
         })
         if self.ckpt.failed:

@@ -10,7 +10,7 @@ aborts waits, kills every actor, removes the placement group and deletes the run
 shared-memory files.
 
 With ``worker.count`` > 1 it starts that many workers (``worker``, ``worker-1``, ...) and
-joins them in one process group; with ``worker.placement=remote`` the placement group holds
+joins them in one process group; with ``worker.node=remote`` the placement group holds
 only the store, scheduler, shards, feeder and the relay, and each worker is pinned to another
 node (round robin over the nodes with room for one).
 
@@ -34,6 +34,13 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from megaray.actors.calibrate import update_scale
+from megaray.actors.calls import get_or_raise
+from megaray.actors.data import DataFeeder
+from megaray.actors.debug import shard_class, worker_class
+from megaray.actors.relay import WeightRelay
+from megaray.actors.scheduler import Scheduler
+from megaray.actors.store import ParameterStore, read_startup, startup_path
 from megaray.buffers import RunBuffers
 from megaray.config import RunConfig
 from megaray.errors import ActorFailure, ConfigError, MegarayError
@@ -42,14 +49,7 @@ from megaray.layout import assign_pieces, build_layout
 from megaray.machine import Machine
 from megaray.plan import check, describe_input_stride, describe_placement, resolve, shard_speeds
 from megaray.shm import remove_run, remove_stale
-
-from .calibrate import update_scale
-from .calls import get_or_raise
-from .data import DataFeeder
-from .debug import shard_class, worker_class
-from .relay import WeightRelay
-from .scheduler import Scheduler
-from .store import ParameterStore, read_startup, startup_path
+from megaray.step import Batch
 
 log = logging.getLogger("megaray")
 NAMESPACE = "megaray"
@@ -92,7 +92,7 @@ def cuda_allocator_env(environ=os.environ) -> dict[str, str]:
     reach the worker on a cluster started elsewhere too), else expandable segments. The
     default allocator splits fixed segments: the qwen14b step with bf16 moments ran out
     with 11.5 GiB reserved but free, and a 524,288-token step with the 6 GiB accumulator of
-    flash attention's backward, both within the plan (BENCHMARKS.md, sessions 8 and 9)."""
+    flash attention's backward, both within the plan (BENCHMARKS.md)."""
     mine = {k: environ[k] for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF") if environ.get(k)}
     return mine or {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
 
@@ -129,24 +129,31 @@ class TrainingSession:
             raise
         return self
 
-    def _start(self) -> None:
+    def _decide(self) -> None:
+        """Everything decided before anything is allocated: the model file checked, the
+        device, the machine (host and /dev/shm here, the GPU through a probe task on a GPU of
+        the cluster), the config's 'auto' choices resolved for it (``plan.resolve``, once: every
+        actor reads the resolved config) and the memory plan checked."""
         cfg, o = self.cfg, self.cfg.optim
-        if cfg.model.from_path:   # headers, names and shapes, before any actor or allocation
+        if cfg.model.from_path:   # headers, names and shapes
             verify_source(build_layout(cfg.model), cfg.model.from_path)
         self.device = resolve_device(cfg)
         gpus = ray.cluster_resources().get("GPU", 0)
         if self.device == "cuda" and gpus < cfg.worker.count:     # never wait for a GPU that is not there
             raise ConfigError("worker.device", f"cuda: the run needs {cfg.worker.count} GPU(s) and the Ray cluster "
                                                f"has {gpus:g}; use worker.device=cpu or auto")
-        # The memory plan, before anything is allocated (host and /dev/shm here, the GPU
-        # through a probe task on a GPU of the cluster).
         gpu_free = ray.get(_gpu_free.remote()) if self.device == "cuda" else None
         machine = Machine.here(cfg.cluster.shm_dir, gpu_bytes=gpu_free)
         self.speeds = shard_speeds(cfg)
-        if gpu_free is not None and "auto" in (o.placement, o.grad_placement):    # the cost model decides
+        if gpu_free is not None and "auto" in (o.resident_units, o.grad_placement):    # the cost model decides
             self.speeds = dataclasses.replace(self.speeds, update_scale=update_scale(cfg))
-        self.cfg = cfg = resolve(cfg, machine, self.speeds)     # optim.grad_placement auto, decided for this GPU
-        self.plan = check(cfg, machine)
+        self.cfg = resolve(cfg, machine, self.speeds)
+        self.plan = check(self.cfg, machine)
+
+    def _start(self) -> None:
+        """Decide, then spawn: the store, the scheduler, the workers, the shards, the feeder."""
+        self._decide()
+        cfg, o = self.cfg, self.cfg.optim
         self._reserve()
         started = time.perf_counter()
         log.info("starting the parameter store: %.2f B parameters%s", cfg.model.num_params() / 1e9,
@@ -167,7 +174,7 @@ class TrainingSession:
         self.buf = RunBuffers(self.handles, kinds=("control",))
         sched = self._spawn(Scheduler, "scheduler", cfg, self.handles, self.actor_name("scheduler"))
         relay = None
-        if cfg.worker.placement == "remote":
+        if cfg.worker.node == "remote":
             relay = self._spawn(WeightRelay, "relay", cfg, self.handles, self.actor_name("relay"), max_concurrency=8)
         workers = self._spawn_workers(relay)
         # The workers first: a resident unit's initial values pass through the worker's host
@@ -193,7 +200,7 @@ class TrainingSession:
         self.has_heldout = self._call(self.actors["data"].has_heldout.remote(), "data")
         kernel = self._call(shards[0].kernel.remote(), "optimizer-0")
         log.info("run %s: %d layer units in %d gradient pieces, %d optimizer shards (AdamW: %s), a ring of "
-                 "%d x %g MiB gradient slabs, %d worker(s) on %s; %s (optim.placement)", self.run_id,
+                 "%d x %g MiB gradient slabs, %d worker(s) on %s; %s (optim.resident_units)", self.run_id,
                  self.handles.num_units, len(self.handles.pieces), len(shards), kernel, self.handles.ring_slabs,
                  self.handles.slab_bytes / 2**20, len(workers), self.device,
                  describe_placement(len(self.handles.resident)))
@@ -233,7 +240,7 @@ class TrainingSession:
 
     def _bundle(self) -> dict:
         cfg, o = self.cfg, self.cfg.optim
-        remote = cfg.worker.placement == "remote"
+        remote = cfg.worker.node == "remote"
         cpus = o.num_shards * o.threads_per_shard + (0 if remote else cfg.worker.count * cfg.worker.threads)
         bundle = {"CPU": max(cpus, 1)}
         if self.device == "cuda" and not remote:
@@ -296,12 +303,12 @@ class TrainingSession:
         others = [nd["NodeID"] for nd in ray.nodes() if nd["Alive"] and nd["NodeID"] != store_node
                   and all(nd["Resources"].get(k, 0) >= v for k, v in need.items())]
         if not others:
-            raise MegarayError(f"worker.placement=remote needs a node other than the store's ({store_node[:12]}) "
+            raise MegarayError(f"worker.node=remote needs a node other than the store's ({store_node[:12]}) "
                                f"with {need}; the cluster has none")
         return [others[r % len(others)] for r in range(n)]
 
     # ------------------------------------------------------------------ data
-    def batch(self, position: int) -> tuple[dict, float, float]:
+    def batch(self, position: int) -> tuple[Batch, float, float]:
         """The step batch at stream ``position``; also the seconds the driver waited for it
         and the seconds the feeder took to build it. The next ``data.prefetch`` steps'
         batches are asked for now."""
@@ -314,13 +321,13 @@ class TrainingSession:
         for p in [p for p in self._ahead if p < position]:
             del self._ahead[p]
         t0 = time.perf_counter()
-        r = self._call(ref, "data")
-        return r["batch"], time.perf_counter() - t0, r["seconds"]
+        batch, built_s = self._call(ref, "data")
+        return batch, time.perf_counter() - t0, built_s
 
-    def heldout(self) -> dict:
+    def heldout(self) -> Batch:
         """The held-out batch (``train.eval_batches`` micro-batches)."""
         n = max(1, self.cfg.train.eval_batches)
-        return self._call(self.actors["data"].step_batch.remote(0, n, "heldout"), "data")["batch"]
+        return self._call(self.actors["data"].step_batch.remote(0, n, "heldout"), "data")[0]
 
     def data_actor_alive(self) -> bool:
         try:
@@ -341,11 +348,13 @@ class TrainingSession:
     def _call(self, ref, who: str = "scheduler"):
         return get_or_raise(ref, self.actor_name(who))
 
-    def train_step(self, step: int, tokens: np.ndarray) -> dict:
-        return self._call(self.actors["scheduler"].train_step.remote(step, tokens))
+    def train_step(self, step: int, batch: Batch | np.ndarray) -> dict:
+        """One step on ``batch`` (or on an array of tokens alone); its metrics row."""
+        return self._call(self.actors["scheduler"].train_step.remote(step, Batch.of(batch)))
 
-    def evaluate(self, step: int, tokens: np.ndarray) -> float:
-        return self._call(self.actors["scheduler"].evaluate.remote(step, tokens))
+    def evaluate(self, step: int, batch: Batch | np.ndarray) -> float:
+        """The forward-only loss of ``batch`` with step ``step``'s weights."""
+        return self._call(self.actors["scheduler"].evaluate.remote(step, Batch.of(batch)))
 
     def drain(self) -> None:
         self._call(self.actors["scheduler"].drain.remote())

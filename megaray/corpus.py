@@ -1,9 +1,10 @@
-"""Data sources: the embedded demo corpus (the running Python's standard-library source),
-and the choice between it and ``megaray prepare``'s shards (``megaray.dataset``).
+"""The demo corpus: the running Python's standard-library source, a data source that needs
+no download (``megaray prepare``'s shards are the other, ``megaray.dataset``; the data feeder
+opens one of them).
 
-Every machine that runs megaray has it, so the demo needs no download. Tokens are bytes
-(vocab 256), or, when the model comes from a Hugging Face directory with a tokenizer.json,
-that tokenizer's ids (through the ``tokenizers`` library). Rows are windows at random
+Every machine that runs megaray has it. Tokens are bytes (vocab 256), or, when the model
+comes from a Hugging Face directory with a tokenizer.json, that tokenizer's ids (through the
+``tokenizers`` library: ``tokenizer.model_tokenizer``). Rows are windows at random
 offsets drawn from a generator seeded by (seed, stream position), so the rows at a position
 are the same however the run got there.
 """
@@ -14,8 +15,7 @@ import sysconfig
 
 import numpy as np
 
-from megaray.config import DataConfig, RunConfig
-from megaray.dataset import ShardDataset
+from megaray.config import DataConfig
 from megaray.errors import DataError
 
 
@@ -26,15 +26,6 @@ def stdlib_files() -> list[str]:
         subdirs[:] = sorted(s for s in subdirs if s not in ("site-packages", "dist-packages", "__pycache__"))
         out += [os.path.join(d, f) for f in sorted(files) if f.endswith(".py")]
     return out
-
-
-def model_tokenizer(model_dir: str | None):
-    """The ``tokenizers.Tokenizer`` of a model directory, or None (byte-level)."""
-    if not model_dir or not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
 
 
 class ByteCorpus:
@@ -106,49 +97,3 @@ class ByteCorpus:
         held = f"{self.heldout_files} whole files held out, one in {self.every}" if self.every else "none held out"
         return (f"{len(self.train)} train / {len(self.heldout)} held-out {self.kind} tokens from the standard "
                 f"library ({held})")
-
-
-def open_source(cfg: RunConfig):
-    """The configured data source: something with ``rows_at(position, n, split, documents)``,
-    ``attention(asked)``, ``has_heldout()`` and ``describe()``."""
-    if cfg.data.source == "shards":
-        return ShardDataset(cfg.data.path, cfg.train.seq_len, cfg.model.vocab_size, cfg.run.seed, cfg.data.shuffle)
-    return ByteCorpus(cfg.data, model_tokenizer(cfg.model.from_path), cfg.model.vocab_size, cfg.train.seq_len,
-                      cfg.run.seed)
-
-
-def split_batch(batch):
-    """(tokens, loss_mask or None, doc or None) of a batch: a token array, or {"tokens",
-    "loss_mask", "doc"} (``doc``: each token's document within its row, with document attention)."""
-    if isinstance(batch, dict):
-        return batch["tokens"], batch.get("loss_mask"), batch.get("doc")
-    return batch, None, None
-
-
-def square_document_lengths(batch) -> int | None:
-    """The sum over a batch's documents of their squared lengths in input tokens (a
-    document ends where its row ends), or None without document attention: what
-    ``model.flops_per_step`` counts the attention's work by."""
-    _, _, doc = split_batch(batch)
-    if doc is None:
-        return None
-    d = np.asarray(doc)[..., :-1]
-    rows = d.reshape(-1, d.shape[-1])
-    starts = np.ones(rows.shape, dtype=bool)
-    starts[:, 1:] = rows[:, 1:] != rows[:, :-1]
-    begin = np.flatnonzero(starts.ravel())
-    lengths = np.diff(np.append(begin, rows.size)).astype(np.int64)
-    return int((lengths * lengths).sum())
-
-
-def targets_kept(batch) -> np.ndarray | None:
-    """Which targets (tokens 1.. of each row) the loss counts, bool [..., seq_len], or None
-    for all: those the loss mask marks, and with document attention none that begins a new
-    document (a document alone has no token before its first to predict it from)."""
-    _, mask, doc = split_batch(batch)
-    keep = None if mask is None else np.asarray(mask)[..., 1:] != 0
-    if doc is not None:
-        d = np.asarray(doc)
-        same = d[..., 1:] == d[..., :-1]
-        keep = same if keep is None else keep & same
-    return keep

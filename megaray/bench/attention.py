@@ -97,7 +97,7 @@ def _varlen(varlen_attn, q, k, v, dy, doc: torch.Tensor, reps: int) -> dict:
 def run(cases: list[tuple[int, int]], mean_len: int, reps: int = 5, seed: int = 0) -> list[dict]:
     """For each (seq, batch): seconds of one forward and backward with each kernel, and the
     share of query-key pairs the document mask keeps against causal's."""
-    from megaray.bench import document_ids
+    from megaray.bench.run import document_ids
 
     rng = np.random.default_rng(seed)
     flex = torch.compile(flex_attention, dynamic=False)

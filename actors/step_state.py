@@ -1,0 +1,80 @@
+"""The state one worker step threads through its stages: forward; head; backward; decide.
+
+A ``StepState`` is made by ``GpuWorker`` at the start of ``run_step`` and dropped at its end;
+nothing of it outlives the step (the gradients that are still leaving belong to the
+shipper's copy-out thread by then). It lives on the worker's device and never crosses a
+process boundary: what leaves the worker is a ``megaray.step.StepResult``.
+
+Invariants:
+- ``acts[i][m]`` is block i's input for micro-batch m while a later stage still needs it
+  (saved, offloaded to host memory, or rebuilt by recomputation), None once consumed;
+- ``kept[i]`` exists for every block i >= ``keep_from`` from its forward until its backward;
+- ``grads[u]`` / ``sq[u]`` are unit u's final gradient / squared norm once its backward is done
+  (``sq`` only with the gradients in host memory, until the decision);
+- ``staged`` is the one copy-in the next stage waits for (the unit staged ahead).
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from megaray.step import WorkerTimes
+
+from .device import StepClock
+
+
+@dataclass
+class KeptBlock:
+    """A block whose internals stay on the device from its forward to its backward."""
+
+    flat: torch.Tensor
+    """A private copy of its weights (its slot is refilled meanwhile), a leaf that requires grad."""
+    weights: dict
+    """Views into ``flat``, by parameter name."""
+    pairs: list
+    """(input, output) of each micro-batch, with the autograd graph between them."""
+
+
+@dataclass
+class StepState:
+    step: int
+    inputs: torch.Tensor
+    """Token ids [micro_batches, rows, seq_len] on the device."""
+    targets: torch.Tensor
+    """Target ids, IGNORE_INDEX where the loss leaves a target out."""
+    packs: list
+    """Each micro-batch's ``attention.Packing`` (None: causal attention)."""
+    inv_tokens: float
+    """1 / (target tokens in the whole step): the loss's scale, so accumulation is exact."""
+    tokens: int
+    times: WorkerTimes
+    clock: StepClock
+    num_units: int
+    keep_from: int = 0
+    """Blocks from here on keep their internals (no recomputation)."""
+    offloaded: int = 0
+    """Blocks below this one whose saved inputs wait in host memory."""
+    lean: bool = False
+    """Kept blocks hold the lean set of internals."""
+    order: list = field(default_factory=list)
+    """The backward's passes over the recomputed blocks (``memory.recompute_order``)."""
+    acts: list = field(default_factory=list)
+    kept: dict[int, KeptBlock] = field(default_factory=dict)
+    staged: Future | None = None
+    grads: list = field(default_factory=list)
+    sq: list = field(default_factory=list)
+    dys: list = field(default_factory=list)
+    """The gradient into the current block's output, per micro-batch."""
+    g_embed: torch.Tensor | None = None
+    """The embedding's gradient (the tied head adds into it first)."""
+    loss_sum: torch.Tensor | None = None
+
+    def __post_init__(self):
+        self.grads = [None] * self.num_units
+        self.sq = [None] * self.num_units
+
+    @property
+    def micro_batches(self) -> int:
+        return self.inputs.shape[0]

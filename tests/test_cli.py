@@ -1,0 +1,88 @@
+"""The command line's manners: help that exits 0 and describes every argument with its
+default, the shipped configs listed, ``--version``, options before or after the config, and
+output cut short by its reader ending quietly."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from megaray.cli import COMMANDS, main
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _help(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--help"])
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def _entries(text: str) -> list[tuple[str, str]]:
+    """(flags, description) of each argument in a help text's argument sections."""
+    out, cur = [], None
+    for line in text.splitlines():
+        if line and not line.startswith(" "):          # a section title, the usage or the epilog
+            cur = None
+            continue
+        m = re.match(r"^  (\S.*?)(?:\s{2,}(.*))?$", line)
+        if m and not line.startswith("   "):
+            cur = [m.group(1), m.group(2) or ""]
+            out.append(cur)
+        elif cur is not None:
+            cur[1] += " " + line.strip()
+    return [(a, b.strip()) for a, b in out]
+
+
+def test_megaray_help_and_version(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {name} " in out for name in COMMANDS)
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"megaray {metadata.version('megaray')}"
+    assert main(["frobnicate"]) == 2 and "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cmd", sorted(COMMANDS))
+def test_every_argument_is_described_with_its_default(capsys, cmd):
+    text = _help(capsys, cmd)
+    entries = _entries(text)
+    assert len(entries) >= 2, text
+    for flags, what in entries:
+        assert what, f"megaray {cmd}: {flags} has no description"
+    # an option with a default says it: --shard-gb's 5.0, --kind's pretrain, bench's --seq 2048
+    defaults = {"export": ("--shard-gb", "5.0"), "prepare": ("--kind", "pretrain"), "bench": ("--seq", "2048"),
+                "clean": ("--shm-dir", "/dev/shm")}
+    if cmd in defaults:
+        flag, value = defaults[cmd]
+        (what,) = [w for f, w in entries if f.startswith(flag)]
+        assert f"(default: {value})" in what
+    if cmd in ("train", "plan"):
+        shipped = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
+        assert "demo" in shipped and f"shipped configs (use the name as CONFIG): {', '.join(shipped)}" in text
+
+
+def test_options_may_come_before_or_after_the_config(capsys):
+    outs = []
+    for argv in (["plan", "--gpu-gib", "24", "--host-gib", "64", "debug", "train.steps=3"],
+                 ["plan", "debug", "--gpu-gib", "24", "train.steps=3", "--host-gib", "64"]):
+        main(argv)
+        outs.append(capsys.readouterr().out)
+    assert "a machine of 64 GiB host memory and a 24 GiB GPU" in outs[0]
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("args", [["-h"], ["plan", "debug"]], ids=["help", "plan"])
+def test_output_into_a_reader_that_went_away_ends_without_a_traceback(args):
+    proc = subprocess.Popen([sys.executable, "-m", "megaray.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()                   # as `| head` does once it has its lines, here before the first
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=300)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert proc.returncode == 141         # as a shell reports a writer a closed pipe stopped

@@ -34,38 +34,9 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     p.add_argument("--adamw-alone", metavar="PxT,...", help="instead: the CPU AdamW alone, for every state "
                    "combination, P processes x T threads each, e.g. 1x16,4x4,8x2,16x1 (no GPU needed)")
     a = parse(p, argv)
-    if a.attention_alone:
-        from megaray.bench.attention import print_rows, run
-
-        rows = run([tuple(int(x) for x in c.split("x")) for c in a.attention_alone.split(",")], a.documents or 512)
-        print_rows(rows)
-        if a.json:
-            with open(a.json, "a") as f:
-                f.write(json.dumps({"attention_alone": rows}) + "\n")
-        return 0
-    if a.block_alone:
-        import torch
-
-        if not torch.cuda.is_available():
-            print(f"{prog}: --block-alone times a block on a CUDA GPU, and this machine has none", file=sys.stderr)
-            return 2
-        from megaray.bench.block import print_rows, run
-
-        rows = run(a.shape, [tuple(int(x) for x in c.split("x")) for c in a.block_alone.split(",")])
-        print_rows(rows)
-        if a.json:
-            with open(a.json, "a") as f:
-                f.write(json.dumps({"block_alone": rows}) + "\n")
-        return 0
-    if a.adamw_alone:
-        from megaray.bench.adamw import print_rows, run
-
-        rows = run([tuple(int(x) for x in lt.split("x")) for lt in a.adamw_alone.split(",")])
-        print_rows(rows)
-        if a.json:
-            with open(a.json, "a") as f:
-                f.write(json.dumps({"adamw_alone": rows}) + "\n")
-        return 0
+    for key in ("attention_alone", "block_alone", "adamw_alone"):
+        if getattr(a, key):
+            return _alone(key, a, prog)
     import ray
     import yaml
 
@@ -85,9 +56,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
         if a.optimizer_scaling:
             r["optimizer_scaling"] = optimizer_scaling(cfg, [int(n) for n in a.optimizer_scaling.split(",")])
         print_table(r)
-        if a.json:
-            with open(a.json, "a") as f:
-                f.write(json.dumps(r) + "\n")
+        _append_json(a.json, r)
         return 0
     finally:
         if shown is not None:
@@ -95,6 +64,41 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
         log.setLevel(level)
         if started:
             ray.shutdown()
+
+
+def _cases(text: str) -> list[tuple[int, ...]]:
+    """``2048x4,131072x1`` -> [(2048, 4), (131072, 1)]."""
+    return [tuple(int(x) for x in c.split("x")) for c in text.split(",")]
+
+
+def _alone(key: str, a, prog: str) -> int:
+    """One of the measurements of a part alone (--attention-alone, --block-alone, --adamw-alone)."""
+    if key == "attention_alone":
+        from megaray.bench.attention import print_rows, run
+
+        rows = run(_cases(a.attention_alone), a.documents or 512)
+    elif key == "block_alone":
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"{prog}: --block-alone times a block on a CUDA GPU, and this machine has none", file=sys.stderr)
+            return 2
+        from megaray.bench.block import print_rows, run
+
+        rows = run(a.shape, _cases(a.block_alone))
+    else:
+        from megaray.bench.adamw import print_rows, run
+
+        rows = run(_cases(a.adamw_alone))
+    print_rows(rows)
+    _append_json(a.json, {key: rows})
+    return 0
+
+
+def _append_json(path: str | None, record: dict) -> None:
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 if __name__ == "__main__":

@@ -23,46 +23,17 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
                    help="one bf16 TFLOP/s for all of a step's compute (default: the measured rates, "
                         "446-573 for the matrix products by hidden size, 281-470 for attention by sequence length)")
     a = parse(p, argv)
-    import os
 
-    from megaray.cost import Speeds, predict
     from megaray.errors import ConfigError
     from megaray.loader import load_config
-    from megaray.machine import Machine
-    from megaray.memory import GiB, keep_choice
-    from megaray.plan import (
-        best,
-        can_be_resident,
-        cast_slab_bytes,
-        choose_placement,
-        describe_input_stride,
-        describe_placement,
-        gpu_budget,
-        host_budget,
-        largest_fit,
-        plan_for,
-        remedies,
-        resolve,
-        savings,
-        shortfalls,
-    )
+    from megaray.plan import describe_placement, plan_for, remedies, resolve, savings, shortfalls
 
     try:
         cfg = load_config(a.config, a.overrides)
     except ConfigError as e:
         print(f"megaray: config error: {e}", file=sys.stderr)
         return 2
-    if a.host_gib is not None or a.gpu_gib is not None:
-        here = Machine.here(cfg.cluster.shm_dir)
-        host = int(a.host_gib * GiB) if a.host_gib is not None else here.host_bytes
-        machine = Machine(host, host, int(a.gpu_gib * GiB) if a.gpu_gib is not None else None)
-        where = (f"a machine of {host / GiB:.0f} GiB host memory and "
-                 + (f"a {a.gpu_gib:g} GiB GPU" if a.gpu_gib is not None else "no GPU"))
-    else:
-        machine = Machine.here(cfg.cluster.shm_dir, probe_gpu=cfg.worker.device != "cpu")
-        where = "this machine"
-    speeds = Speeds(gpu_tflops=a.gpu_tflops, link_gbps=a.link_gbps or 53.7,
-                    cores=a.cores or (16 if a.host_gib is not None else os.cpu_count() or 1))
+    machine, where, speeds = _machine(a, cfg)
     asked = cfg.optim.resident_units
     cfg = resolve(cfg, machine, speeds)
     pl = plan_for(cfg, machine)
@@ -74,21 +45,8 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     for override, saved, per_param in savings(cfg):
         what = f"saves {saved / 2**30:.2f}" if saved >= 0 else f"needs {-saved / 2**30:.2f} more"
         print(f"option {override}: {what} GiB of host memory ({per_param:.2f} bytes/param)")
-    gpu = gpu_budget(cfg, machine)
-    if gpu is not None:
-        keep, lean = keep_choice(cfg, gpu, pl.offload_inputs, cast_slab_bytes(cfg))    # the worker's choice
-        t = predict(cfg, speeds, keep)
-        print(f"predicted step: {t['step_s']:.2f} s (compute {t['compute_s']:.2f}, forward waiting for updates "
-              f"{t['wait_updates_s']:.2f}, copy-in {t['copy_in_s']:.2f}, copy-out {t['copy_out_s']:.2f}, updates "
-              f"{t['updates_s']:.2f} on {speeds.cores} cores; keeping {keep} blocks' activations"
-              f"{'' if lean else ', as plain autograd saves them'}"
-              f"{'; ' + describe_input_stride(cfg.worker.stride) if cfg.worker.stride > 1 else ''}), "
-              f"{cfg.train.tokens_per_step / t['step_s']:.0f} tokens/s")
-        if can_be_resident(cfg):
-            print_placements(choose_placement(cfg, speeds, gpu, cast_slab_bytes(cfg), host_budget(machine)), best)
-        mb, seq = largest_fit(cfg, machine)
-        print(f"largest micro_batch_size at seq_len {cfg.train.seq_len}: {mb}; "
-              f"largest seq_len at micro_batch_size {cfg.train.micro_batch_size}: {seq}")
+    if machine.gpu_bytes is not None:
+        print_step(cfg, machine, pl, speeds)
     else:
         print("no GPU visible here: the GPU column is not checked")
     short = shortfalls(pl, machine)
@@ -98,6 +56,61 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
         for fix in remedies(cfg, machine):
             print(f"fits with: {fix}")
     return 1 if short else 0
+
+
+def _machine(a, cfg):
+    """The machine planned for (this one, or the one --host-gib/--gpu-gib describe), its
+    description, and the speeds the step is predicted with."""
+    import os
+
+    from megaray.cost import Speeds
+    from megaray.machine import Machine
+    from megaray.memory import GiB
+
+    if a.host_gib is not None or a.gpu_gib is not None:
+        here = Machine.here(cfg.cluster.shm_dir)
+        host = int(a.host_gib * GiB) if a.host_gib is not None else here.host_bytes
+        machine = Machine(host, host, int(a.gpu_gib * GiB) if a.gpu_gib is not None else None)
+        where = (f"a machine of {host / GiB:.0f} GiB host memory and "
+                 + (f"a {a.gpu_gib:g} GiB GPU" if a.gpu_gib is not None else "no GPU"))
+    else:
+        machine = Machine.here(cfg.cluster.shm_dir, probe_gpu=cfg.worker.device != "cpu")
+        where = "this machine"
+    speeds = Speeds(gpu_tflops=a.gpu_tflops, link_gbps=a.link_gbps or 53.7,
+                    cores=a.cores or (16 if a.host_gib is not None else os.cpu_count() or 1))
+    return machine, where, speeds
+
+
+def print_step(cfg, machine, pl, speeds) -> None:
+    """The predicted step with the blocks the worker would keep, what resident units buy, and
+    the largest micro-batch and sequence that fit the GPU."""
+    from megaray.cost import predict
+    from megaray.memory import keep_choice
+    from megaray.plan import (
+        best,
+        can_be_resident,
+        cast_slab_bytes,
+        choose_placement,
+        describe_input_stride,
+        gpu_budget,
+        host_budget,
+        largest_fit,
+    )
+
+    gpu = gpu_budget(cfg, machine)
+    keep, lean = keep_choice(cfg, gpu, pl.offload_inputs, cast_slab_bytes(cfg))    # the worker's choice
+    t = predict(cfg, speeds, keep)
+    print(f"predicted step: {t['step_s']:.2f} s (compute {t['compute_s']:.2f}, forward waiting for updates "
+          f"{t['wait_updates_s']:.2f}, copy-in {t['copy_in_s']:.2f}, copy-out {t['copy_out_s']:.2f}, updates "
+          f"{t['updates_s']:.2f} on {speeds.cores} cores; keeping {keep} blocks' activations"
+          f"{'' if lean else ', as plain autograd saves them'}"
+          f"{'; ' + describe_input_stride(cfg.worker.stride) if cfg.worker.stride > 1 else ''}), "
+          f"{cfg.train.tokens_per_step / t['step_s']:.0f} tokens/s")
+    if can_be_resident(cfg):
+        print_placements(choose_placement(cfg, speeds, gpu, cast_slab_bytes(cfg), host_budget(machine)), best)
+    mb, seq = largest_fit(cfg, machine)
+    print(f"largest micro_batch_size at seq_len {cfg.train.seq_len}: {mb}; "
+          f"largest seq_len at micro_batch_size {cfg.train.micro_batch_size}: {seq}")
 
 
 def print_placements(rows: list[dict], best) -> None:

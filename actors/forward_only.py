@@ -65,7 +65,7 @@ class ForwardOnly:
         slots.begin()
         slots.ready(slots.stage(0, step, times, clock), times)
         _, we = slots.weights(0, grad=False)
-        xs = [embed_forward(we, x) for x in inputs]
+        xs = [embed_forward(we, x, self.mcfg.pad_token_id) for x in inputs]
         for u in range(1, len(self.units)):
             slots.ready(slots.stage(u, step, times, clock), times)
             _, w = slots.weights(u, grad=False)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from ray.util.metrics import Counter, Gauge
 
 from megaray.machine import in_use, meminfo
-from megaray.step import SHARD_GAUGES, STEP_COUNTERS, STEP_GAUGES  # noqa: F401  (the actors' metric names)
+from megaray.step import MOE_GAUGES, SHARD_GAUGES, STEP_COUNTERS, STEP_GAUGES  # noqa: F401  (the actors' names)
 
 TAG_KEYS = ("run", "actor")
 

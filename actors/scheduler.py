@@ -38,7 +38,7 @@ from megaray.lr_schedule import lr_at
 from megaray.model import flops_per_step
 from megaray.step import Batch, EvalResult, StepResult
 
-from .metrics import STEP_COUNTERS, STEP_GAUGES, RunMetrics, node_memory_used_bytes
+from .metrics import MOE_GAUGES, STEP_COUNTERS, STEP_GAUGES, RunMetrics, node_memory_used_bytes
 
 
 class Phase(enum.Enum):
@@ -60,7 +60,8 @@ class Scheduler:
         self._pending: list[tuple[str, ray.ObjectRef]] = []   # the previous step's apply calls
         self._current: list[tuple[str, ray.ObjectRef]] = []   # the calls of the step (or evaluation) running
         self.counters = {"steps": 0, "tokens": 0, "skipped_steps": 0}
-        self.metrics = RunMetrics(handles.run_id, "scheduler", STEP_GAUGES, STEP_COUNTERS)
+        self.gauges = {**STEP_GAUGES, **(MOE_GAUGES if cfg.model.moe else {})}
+        self.metrics = RunMetrics(handles.run_id, "scheduler", self.gauges, STEP_COUNTERS)
 
     def attach(self, workers, shards, shard_names: list[str]) -> None:
         """Workers (rank 0 first: it decides each step), the shards and their names."""
@@ -155,7 +156,8 @@ class Scheduler:
             "gpu_memory_peak_bytes": res.gpu_peak_bytes,
             "skipped_steps": self.counters["skipped_steps"],
         }
-        self.metrics.set(**{k: metrics[k] for k in STEP_GAUGES})
+        metrics.update(res.moe_metrics())
+        self.metrics.set(**{k: metrics[k] for k in self.gauges})
         self.metrics.inc(steps_total=1, tokens_total=res.tokens)
         worked = [d for d in done if d["update_s"] > 0]
         if worked:   # the previous step's updates, summed over the shards (each shard exports its own)

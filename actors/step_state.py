@@ -11,7 +11,9 @@ Invariants:
 - ``kept[i]`` exists for every block i >= ``keep_from`` from its forward until its backward;
 - ``grads[u]`` / ``sq[u]`` are unit u's final gradient / squared norm once its backward is done
   (``sq`` only with the gradients in host memory, until the decision);
-- ``staged`` is the one copy-in the next stage waits for (the unit staged ahead).
+- ``staged`` is the one copy-in the next stage waits for (the unit staged ahead);
+- a mixture of experts' ``router`` holds every layer's routing of the whole step (all its
+  micro-batches, all the data-parallel workers) before the first backward reads its gradient.
 """
 from __future__ import annotations
 
@@ -20,9 +22,52 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megaray.model import Routed, aux_loss_grad
 from megaray.step import WorkerTimes
 
 from .device import StepClock
+
+
+@dataclass
+class RouterTally:
+    """What a mixture of experts' routers did over the step's forward, layer by layer."""
+
+    counts: torch.Tensor
+    """[layers, experts] fp32: the tokens each expert received."""
+    probs: torch.Tensor
+    """[layers, experts] fp32: the routers' probabilities summed over the tokens (detached)."""
+    rows: torch.Tensor
+    """fp32 scalar: the rows routed, over every layer (the load-balancing loss's R)."""
+    grad: torch.Tensor | None = None
+    """The loss's gradient with respect to a layer's summed probabilities (``model.aux_loss_grad``),
+    once the forward is done, where the loss is trained; else None."""
+
+    @classmethod
+    def empty(cls, layers: int, experts: int, device) -> RouterTally:
+        z = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)
+        return cls(z(layers, experts), z(layers, experts), z())
+
+    def add(self, layer: int, routed: list[Routed]) -> None:
+        for r in routed:
+            self.counts[layer] += r.counts
+            self.probs[layer] += r.prob_sum.detach()
+            self.rows += r.rows
+
+    def decide(self, cfg) -> None:
+        """The forward is done (and the tallies summed over the workers): the loss's gradient."""
+        if cfg.output_router_logits and cfg.router_aux_loss_coef > 0:
+            self.grad = aux_loss_grad(cfg, self.counts.sum(0), float(self.rows))
+
+    def loss(self, cfg) -> float:
+        """transformers' ``aux_loss``: experts x sum_e f_e P_e over the step (1.0: balanced)."""
+        rows = float(self.rows)
+        return float(cfg.num_experts * (self.counts.sum(0) * self.probs.sum(0)).sum() / (rows * rows))
+
+    def load(self) -> tuple[float, float]:
+        """The experts' load, most-loaded expert over the mean, per layer: (the worst layer's,
+        the layers' mean)."""
+        ratio = self.counts.max(dim=1).values / self.counts.mean(dim=1).clamp_min(1e-9)
+        return float(ratio.max()), float(ratio.mean())
 
 
 @dataclass
@@ -35,6 +80,8 @@ class KeptBlock:
     """Views into ``flat``, by parameter name."""
     pairs: list
     """(input, output) of each micro-batch, with the autograd graph between them."""
+    probs: list = field(default_factory=list)
+    """A mixture of experts' summed router probabilities of each micro-batch (in the graph)."""
 
 
 @dataclass
@@ -70,6 +117,7 @@ class StepState:
     g_embed: torch.Tensor | None = None
     """The embedding's gradient (the tied head adds into it first)."""
     loss_sum: torch.Tensor | None = None
+    router: RouterTally | None = None
 
     def __post_init__(self):
         self.grads = [None] * self.num_units

@@ -57,7 +57,7 @@ from .group import DataParallelGroup
 from .resident import ResidentUnits
 from .shipping import GradientShipper
 from .staging import RelaySource, SharedSource, WeightSlots
-from .step_state import KeptBlock, StepState
+from .step_state import KeptBlock, RouterTally, StepState
 
 
 class GpuWorker(ForwardOnly):
@@ -143,10 +143,12 @@ class GpuWorker(ForwardOnly):
         tokens = int((targets != IGNORE_INDEX).sum()) if total_tokens is None else total_tokens
         policy = self.acts
         keep_from = self.num_blocks - policy.keep_count()
+        router = (RouterTally.empty(self.num_blocks, self.mcfg.num_experts, self.dev.device) if self.mcfg.moe
+                  else None)
         return StepState(step=step, inputs=inputs, targets=targets, packs=packs, inv_tokens=1.0 / max(tokens, 1),
                          tokens=tokens, times=WorkerTimes(), clock=StepClock(self.dev), num_units=len(self.units),
                          keep_from=keep_from, offloaded=policy.offload_count(keep_from), lean=policy.lean,
-                         order=memory.recompute_order(keep_from, policy.stride))
+                         order=memory.recompute_order(keep_from, policy.stride), router=router)
 
     def _forward(self, st: StepState) -> None:
         """Embedding and blocks, saving each block's input (every stride-th recomputed block's);
@@ -162,17 +164,18 @@ class GpuWorker(ForwardOnly):
         with torch.no_grad(), clock.span(0):
             _, we = slots.weights(0, grad=False)
             for m in range(micro):
-                acts[0][m] = embed_forward(we, st.inputs[m])
+                acts[0][m] = embed_forward(we, st.inputs[m], self.mcfg.pad_token_id)
         for i in range(blocks):
             u = i + 1
             slots.ready(st.staged, times)
             st.staged = slots.stage(u + 1, st.step, times, clock)       # next block, or the head
+            routed = [] if st.router is not None else None
             if i < st.keep_from:
                 with torch.no_grad(), clock.span(u):
                     _, w = slots.weights(u, grad=False)
                     for m in range(micro):
                         acts[i + 1][m] = block_forward(w, acts[i][m], self.rope, self.mcfg, mlp_chunk,
-                                                       pk=st.packs[m])
+                                                       pk=st.packs[m], routed=routed)
                 if i % policy.stride:       # rebuilt in the backward, from the saved input below
                     acts[i] = [None] * micro
                 elif i < st.offloaded:
@@ -190,12 +193,20 @@ class GpuWorker(ForwardOnly):
                     w = bind(flat, self.units[u])
                     for m in range(micro):
                         x = acts[i][m].detach().requires_grad_()
-                        y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk, lean=st.lean, pk=st.packs[m])
+                        y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk, lean=st.lean, pk=st.packs[m],
+                                          routed=routed)
                         pairs.append((x, y))
                         acts[i + 1][m] = y.detach()
-                st.kept[i] = KeptBlock(flat, w, pairs)
+                st.kept[i] = KeptBlock(flat, w, pairs, [r.prob_sum for r in routed or ()])
                 policy.measure_kept_block(before, buf)
+            if routed is not None:
+                st.router.add(i, routed)
             slots.release(u)
+        if st.router is not None:       # the step's routing, whole: the load-balancing loss's gradient
+            with clock.span(-1):
+                if self.group.world > 1:
+                    self.group.sum([st.router.counts, st.router.probs, st.router.rows])
+                st.router.decide(self.mcfg)
         times.forward_s += time.perf_counter() - t0
 
     def _head(self, st: StepState) -> None:
@@ -252,7 +263,8 @@ class GpuWorker(ForwardOnly):
             with st.clock.span(u):
                 g = self.dev.zeros(self.units[u].numel)
                 for m, (x, y) in enumerate(kept.pairs):
-                    dys[m] = self._block_backward(self.units[u], kept.weights, y, x, dys[m], g)
+                    aux = (kept.probs[m], st.router.grad) if kept.probs else None
+                    dys[m] = self._block_backward(self.units[u], kept.weights, y, x, dys[m], g, aux)
                     acts[i][m] = None
             del kept
             self._gradient_done(st, u, g)
@@ -280,17 +292,19 @@ class GpuWorker(ForwardOnly):
                 for m in range(st.micro_batches):
                     x = acts[i][m].detach().requires_grad_()
                     acts[i][m] = None
+                    routed = [] if st.router is not None else None
                     with torch.enable_grad():
                         y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk, lean=self.recompute_lean,
-                                          pk=st.packs[m])
-                        dys[m] = self._block_backward(self.units[u], w, y, x, dys[m], g)
+                                          pk=st.packs[m], routed=routed)
+                        aux = (routed[0].prob_sum, st.router.grad) if routed else None
+                        dys[m] = self._block_backward(self.units[u], w, y, x, dys[m], g, aux)
             slots.release(u)
             self._gradient_done(st, u, g)
         with st.clock.span(0):
             emb_flat, we = slots.weights(0, grad=True)
             for m in range(st.micro_batches):
                 with torch.enable_grad():
-                    y = embed_forward(we, st.inputs[m])
+                    y = embed_forward(we, st.inputs[m], self.mcfg.pad_token_id)
                     (gw,) = torch.autograd.grad(y, [emb_flat], grad_outputs=dys[m])
                 st.g_embed += gw
         slots.release(0)
@@ -315,14 +329,20 @@ class GpuWorker(ForwardOnly):
             self.shipper.ship_unit(st.step, u, g, st.sq[u])
 
     def _block_backward(self, unit, w: dict, y: torch.Tensor, x: torch.Tensor, dy: torch.Tensor,
-                        g: torch.Tensor) -> torch.Tensor:
+                        g: torch.Tensor, aux: tuple | None = None) -> torch.Tensor:
         """Backward of one block: each weight's gradient, taken at its own view (autograd never
         scatters it into a zero-filled flat tensor), added into the unit's flat fp32 ``g``;
-        returns the gradient of the block's input."""
+        returns the gradient of the block's input. ``aux``: a mixture of experts' summed router
+        probabilities of this forward and the load-balancing loss's gradient for them (None
+        where the loss is not trained), which enters the same backward."""
         views = list(w.values())
-        out = torch.autograd.grad(y, views + [x], grad_outputs=dy)
-        for spec, gv in zip(unit.params, out[:-1]):
-            g[spec.offset:spec.offset + spec.numel] += gv.reshape(-1)
+        outs, douts = [y], [dy]
+        if aux is not None and aux[1] is not None:
+            outs.append(aux[0])
+            douts.append(aux[1])
+        out = torch.autograd.grad(outs, views + [x], grad_outputs=douts)
+        for v, gv in zip(unit.views, out[:-1]):
+            g[v.offset:v.offset + v.numel] += gv.reshape(-1)
         return out[-1]
 
     def _decide_and_ship(self, st: StepState) -> StepResult:
@@ -356,8 +376,12 @@ class GpuWorker(ForwardOnly):
                 self.resident.update(st.step, st.grads, finite, coef, finite_units)
             st.times.resident_update_s += time.perf_counter() - t1
         st.times.reduce_s += time.perf_counter() - t0
-        return StepResult(loss_sum=loss_total, tokens=st.tokens, grad_norm=norm, clip_coef=coef, applied=finite,
-                          times=st.times)
+        res = StepResult(loss_sum=loss_total, tokens=st.tokens, grad_norm=norm, clip_coef=coef, applied=finite,
+                         times=st.times)
+        if st.router is not None:
+            res.router_loss = st.router.loss(self.mcfg)
+            res.expert_load_max, res.expert_load_mean = st.router.load()
+        return res
 
     def _inputs_targets(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, list]:
         """Inputs and targets of a batch: targets the loss leaves out (``Batch.targets_kept``)

@@ -308,7 +308,9 @@ def prune(root: Path, keep: int) -> list[Path]:
 # ----------------------------------------------------------------------------- the driver's side
 LINEAGE = "lineage.json"
 LOCK = ".lock"
-_NOT_LINEAGE = ("from_path", "architecture")      # model keys a lineage may change (where weights came from)
+# model keys a lineage may change: where the weights came from, and how the model is trained
+# rather than what it is (the padding row, the load-balancing loss)
+_NOT_LINEAGE = ("from_path", "architecture", "pad_token_id", "router_aux_loss_coef", "output_router_logits")
 
 
 def lineage_of(cfg) -> dict:
@@ -392,9 +394,11 @@ class Checkpointer:
                 have = json.loads(path.read_text())
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-            diff = sorted(k for k in set(want["model"]) | set(have.get("model", {}))
-                          if want["model"].get(k) != have.get("model", {}).get(k))
-            diff = [f"model.{k}: {have.get('model', {}).get(k)!r} there, {want['model'].get(k)!r} here" for k in diff]
+            # a key the stored lineage lacks was written before megaray had it: its default then
+            defaults = {f.name: f.default for f in dataclasses.fields(type(self.cfg.model))}
+            old = {**{k: v for k, v in defaults.items() if k in want["model"]}, **have.get("model", {})}
+            diff = sorted(k for k in set(want["model"]) | set(old) if want["model"].get(k) != old.get(k))
+            diff = [f"model.{k}: {old.get(k)!r} there, {want['model'].get(k)!r} here" for k in diff]
             if have.get("master_dtype") != want["master_dtype"]:
                 diff.append(f"optim.master_dtype: {have.get('master_dtype')!r} there, {want['master_dtype']!r} here")
             if diff:

@@ -44,6 +44,20 @@ class ParamSpec:
     shape: tuple
     offset: int        # elements into the unit's flat buffer
     decay: bool        # a matrix (weight decay applies) or a 1-D tensor
+    key: str = ""      # the templates' name for its view: short_name(name), or its experts' stack's
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class View:
+    """One tensor a template reads: a parameter, or a stack of experts' matrices [E, out, in]
+    (their per-expert parameters, adjacent in the flat buffer)."""
+    key: str
+    offset: int
+    shape: tuple
 
     @property
     def numel(self) -> int:
@@ -58,18 +72,56 @@ class UnitLayout:
     params: tuple      # ParamSpec, matrices first
     numel: int
     decay_numel: int   # params[...] with decay occupy [0, decay_numel)
+    views: tuple = ()  # View: what ``bind`` hands the templates, in flat-buffer order
 
 
-def _unit(index: int, name: str, kind: str, entries: list[tuple[str, tuple]]) -> UnitLayout:
+EXPERTS = "mlp.experts."      # the templates' names of the experts' stacks begin so
+
+
+def _unit(index: int, name: str, kind: str, entries: list[tuple]) -> UnitLayout:
+    """Entries are (name, shape), or (name, shape, the templates' key) where Hugging Face's
+    name is not the templates' (a router of another family; an expert's matrix, keyed by its
+    stack: the consecutive entries of one key form one stacked view)."""
     entries = sorted(entries, key=lambda e: len(e[1]) < 2)  # stable: matrices first
-    specs, off, decay_numel = [], 0, 0
-    for pname, shape in entries:
-        spec = ParamSpec(pname, tuple(shape), off, len(shape) >= 2)
+    specs, views, off, decay_numel = [], [], 0, 0
+    for pname, shape, *given in entries:
+        key = given[0] if given else short_name(pname)
+        spec = ParamSpec(pname, tuple(shape), off, len(shape) >= 2, key)
+        stacked = key.startswith(EXPERTS)
+        if stacked and views and views[-1].key == key:      # the next expert of the stack
+            last = views[-1]
+            views[-1] = View(key, last.offset, (last.shape[0] + 1, *shape))
+        else:
+            views.append(View(key, off, (1, *shape) if stacked else tuple(shape)))
         specs.append(spec)
         off += spec.numel
         if spec.decay:
             decay_numel = off
-    return UnitLayout(index, name, kind, tuple(specs), off, decay_numel)
+    return UnitLayout(index, name, kind, tuple(specs), off, decay_numel, tuple(views))
+
+
+# Hugging Face's names of a mixture-of-experts block's router and experts, by family:
+# (router, the experts' prefix, the gate, up and down projections' names)
+_MOE_NAMES = {
+    "MixtralForCausalLM": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts", ("w1", "w3", "w2")),
+}
+_MOE_DEFAULT = ("mlp.gate.weight", "mlp.experts", ("gate_proj", "up_proj", "down_proj"))      # Qwen3-MoE, OLMoE
+
+
+def _mlp_entries(cfg: ModelConfig, p: str) -> list[tuple]:
+    """A block's MLP: the dense SwiGLU, or a router and its experts' stacks (every expert's
+    gate projection, then every up projection, then every down projection)."""
+    h = cfg.hidden_size
+    if not cfg.moe:
+        i = cfg.intermediate_size
+        return [(p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
+                (p + "mlp.down_proj.weight", (h, i))]
+    router, experts, projections = _MOE_NAMES.get(cfg.architecture, _MOE_DEFAULT)
+    i, n = cfg.moe_intermediate_size, cfg.num_experts
+    out = [(p + router, (n, h), "mlp.gate.weight")]
+    for proj, stack, shape in zip(projections, ("gate_proj", "up_proj", "down_proj"), ((i, h), (i, h), (h, i))):
+        out += [(f"{p}{experts}.{e}.{proj}.weight", shape, EXPERTS + stack) for e in range(n)]
+    return out
 
 
 def build_layout(cfg: ModelConfig) -> list[UnitLayout]:
@@ -96,9 +148,7 @@ def _layout(cfg: ModelConfig) -> tuple[UnitLayout, ...]:
             (p + "self_attn.k_proj.weight", (kv, h)),
             (p + "self_attn.v_proj.weight", (kv, h)),
             (p + "self_attn.o_proj.weight", (h, q)),
-            (p + "mlp.gate_proj.weight", (cfg.intermediate_size, h)),
-            (p + "mlp.up_proj.weight", (cfg.intermediate_size, h)),
-            (p + "mlp.down_proj.weight", (h, cfg.intermediate_size)),
+            *_mlp_entries(cfg, p),
             (p + "input_layernorm.weight", (h,)),
             (p + "post_attention_layernorm.weight", (h,)),
         ]
@@ -106,7 +156,9 @@ def _layout(cfg: ModelConfig) -> tuple[UnitLayout, ...]:
             e += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),
                   (p + "self_attn.v_proj.bias", (kv,))]
         if cfg.qk_norm:
-            e += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+            wide = cfg.qk_norm_scope == "projection"
+            e += [(p + "self_attn.q_norm.weight", (q if wide else hd,)),
+                  (p + "self_attn.k_norm.weight", (kv if wide else hd,))]
         units.append(_unit(i + 1, f"block.{i}", "block", e))
     head = [("model.norm.weight", (h,))]
     if not cfg.tie_word_embeddings:
@@ -123,8 +175,10 @@ def short_name(spec_name: str) -> str:
 
 
 def bind(flat: torch.Tensor, unit: UnitLayout) -> dict[str, torch.Tensor]:
-    """Views into ``flat`` for each parameter of ``unit``, keyed by short name."""
-    return {short_name(s.name): flat[s.offset:s.offset + s.numel].view(s.shape) for s in unit.params}
+    """Views into ``flat`` for each of ``unit``'s views (``View``), keyed by the templates' names:
+    each parameter by its short name, a mixture's experts by their stacks
+    (``mlp.experts.gate_proj`` [experts, out, in]), in flat-buffer order."""
+    return {v.key: flat[v.offset:v.offset + v.numel].view(v.shape) for v in unit.views}
 
 
 def align(n: int) -> int:

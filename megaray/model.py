@@ -12,12 +12,20 @@ Design choices:
 - Packed rows may keep each document's attention to itself (``megaray.attention.Packing``,
   ``train.attention`` document): positions restart at every document start, and the mask
   allows a token only its own document's earlier tokens, as a row of one document would see.
+- A mixture of experts differs from the dense block in its MLP alone (``moe_mlp``): a router
+  (softmax over the experts, the top k, renormalised where the model says), and every token's
+  k experts, dropless, run as grouped matrix products over the tokens sorted by expert
+  (``torch._grouped_mm`` where the device has it, else a loop over the experts), their
+  outputs weighted and summed back in expert order, as transformers sums them. What the router
+  did (its assignments and its probabilities) is handed out for the step's load-balancing
+  loss, which spans all of the step's tokens and layers (``aux_loss_grad``).
 
 This module imports neither Ray nor CUDA streams.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -274,6 +282,105 @@ def mlp(h: torch.Tensor, w: dict, chunk: int | None = None) -> torch.Tensor:
     return F.linear(_swiglu(F.linear(h, wg), F.linear(h, wu)), wd)
 
 
+@dataclass
+class Routed:
+    """What one mixture-of-experts layer's router did over one call's tokens."""
+    counts: torch.Tensor
+    """[experts] fp32: the tokens each expert received (top-k assignments); no gradient."""
+    prob_sum: torch.Tensor
+    """[experts] fp32: the router's softmax probabilities summed over the tokens; part of the
+    autograd graph when the forward ran under it (the load-balancing loss's gradient enters here)."""
+    rows: int
+    """Tokens routed."""
+
+
+def route(x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig):
+    """The router of ``x`` [N, H]: each token's k experts and their weights (in x's dtype), and
+    the fp32 softmax over all experts. transformers' arithmetic: softmax in fp32, top k, the k
+    probabilities renormalised with ``norm_topk_prob`` (Mixtral's softmax over its top-k logits
+    is these weights)."""
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    top, idx = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+    if cfg.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top.to(x.dtype), idx, probs
+
+
+_GROUPED: dict = {}      # (device type, dtype) -> whether torch._grouped_mm runs there
+
+
+def _grouped_runs(x: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs on x's device and dtype (tried once, on tiny inputs:
+    it needs a recent torch, and on CUDA a Hopper GPU and bf16)."""
+    key = (x.device.type, x.dtype)
+    if key not in _GROUPED:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                a = torch.zeros(16, 16, dtype=x.dtype, device=x.device)
+                torch._grouped_mm(a, torch.zeros(2, 16, 16, dtype=x.dtype, device=x.device),
+                                  offs=torch.tensor([8, 16], dtype=torch.int32, device=x.device))
+            except (RuntimeError, NotImplementedError):
+                ok = False
+        _GROUPED[key] = ok
+    return _GROUPED[key]
+
+
+def expert_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int] | None = None):
+    """``x`` [M, in], its rows sorted by expert (expert e's end at ``offs[e]``), through each
+    row's expert of ``w`` [experts, out, in]: [M, out]. One grouped product where the device
+    runs one; else a loop over the experts (``counts``, the rows each, read on the host)."""
+    if _grouped_runs(x):
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    counts = counts if counts is not None else torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+    parts, a = [], 0
+    for e, n in enumerate(counts):
+        parts.append(F.linear(x[a:a + n], w[e]))
+        a += n
+    return torch.cat(parts)
+
+
+def moe_mlp(h: torch.Tensor, w: dict, cfg: ModelConfig, routed: list | None = None) -> torch.Tensor:
+    """The experts' SwiGLU of ``h`` [B, S, H]: each token through its k experts, weighted by its
+    router, summed. Dropless: an expert takes every token routed to it. Appends a ``Routed``
+    to ``routed`` when given."""
+    b, s, hd = h.shape
+    x = h.reshape(-1, hd)
+    weights, idx, probs = route(x, w["mlp.gate.weight"], cfg)
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)           # rows by expert; within one, by token
+    counts = torch.bincount(flat, minlength=cfg.num_experts)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    host = None if _grouped_runs(x) else counts.tolist()
+    token = order // cfg.num_experts_per_tok
+    xs = x[token]
+    g = expert_linear(xs, w["mlp.experts.gate_proj"], offs, host)
+    u = expert_linear(xs, w["mlp.experts.up_proj"], offs, host)
+    y = expert_linear(_swiglu(g, u), w["mlp.experts.down_proj"], offs, host)
+    y = y * weights.reshape(-1)[order].unsqueeze(-1)
+    out = torch.zeros_like(x).index_add_(0, token, y)
+    if routed is not None:
+        routed.append(Routed(counts.float(), probs.sum(0), x.shape[0]))
+    return out.view(b, s, hd)
+
+
+def aux_loss_grad(cfg: ModelConfig, counts: torch.Tensor, rows: int) -> torch.Tensor:
+    """The load-balancing loss's gradient with respect to each layer's summed router
+    probabilities (``Routed.prob_sum``), the same for every layer and token.
+
+    The loss (transformers' ``load_balancing_loss_func``, over the step's tokens and every
+    layer): coef x experts x sum_e f_e P_e, with f_e = (assignments to e) / R and
+    P_e = (probabilities of e, summed) / R over R = layers x tokens rows; f carries no
+    gradient, so d loss / d (prob sum of e) = coef x experts x f_e / R. ``counts`` are the
+    assignments summed over the layers; ``rows`` is R."""
+    return cfg.router_aux_loss_coef * cfg.num_experts * counts / (rows * rows)
+
+
+def aux_loss(cfg: ModelConfig, counts: torch.Tensor, prob_sum: torch.Tensor, rows: int) -> float:
+    """The load-balancing loss's value (``aux_loss_grad``), weighted by its coefficient."""
+    return float(cfg.router_aux_loss_coef * cfg.num_experts * (counts * prob_sum).sum() / (rows * rows))
+
+
 def rope_tables(cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32):
     """cos, sin of shape [seq_len, head_dim], with llama3 frequency scaling when configured."""
     hd = cfg.head_dim
@@ -306,15 +413,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def embed_forward(w: dict, tokens: torch.Tensor) -> torch.Tensor:
-    return F.embedding(tokens, w["model.embed_tokens.weight"])
+def embed_forward(w: dict, tokens: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
+    """The embedding lookup; the ``padding_idx`` row (``model.pad_token_id``) gets no gradient
+    from it, as transformers' nn.Embedding gives it none."""
+    return F.embedding(tokens, w["model.embed_tokens.weight"], padding_idx=padding_idx)
 
 
 def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig, mlp_chunk: int | None = None,
-                  lean: bool = True, pk: Packing | None = None) -> torch.Tensor:
+                  lean: bool = True, pk: Packing | None = None, routed: list | None = None) -> torch.Tensor:
     """One decoder block: x + attn(norm(x)), then + mlp(norm(.)). x: [B, S, H]. With ``pk``
     (document attention) RoPE takes each token's position in its document and attention
-    stays inside each document.
+    stays inside each document. A mixture of experts' MLP is ``moe_mlp`` (``routed`` collects
+    what its router did; ``mlp_chunk`` and ``lean`` concern the dense MLP only).
 
     Grouped-query attention hands the kv heads to SDPA as they are where torch supports it
     (``enable_gqa``), never materializing the repeated keys and values; ``mlp_chunk`` see ``mlp``.
@@ -336,9 +446,12 @@ def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig, mlp_c
     else:
         h = rms_norm(x, w["input_layernorm.weight"], eps)
         q, k, v = (F.linear(h, wqkv[j], wqkv[j + 1]) for j in (0, 2, 4))
+    if cfg.qk_norm and cfg.qk_norm_scope == "projection":     # over the whole projections (OLMoE)
+        q = rms_norm(q, w["self_attn.q_norm.weight"], eps)
+        k = rms_norm(k, w["self_attn.k_norm.weight"], eps)
     q = q.view(b, s, nh, hd)
     k = k.view(b, s, nkv, hd)
-    if cfg.qk_norm:
+    if cfg.qk_norm and cfg.qk_norm_scope == "head":
         q = rms_norm(q, w["self_attn.q_norm.weight"], eps)
         k = rms_norm(k, w["self_attn.k_norm.weight"], eps)
     q = apply_rope(q.transpose(1, 2), cos.to(q.dtype), sin.to(q.dtype))
@@ -348,6 +461,8 @@ def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig, mlp_c
     a = a.transpose(1, 2).reshape(b, s, nh * hd)
     x = x + F.linear(a, w["self_attn.o_proj.weight"])
     wn = w["post_attention_layernorm.weight"]
+    if cfg.moe:
+        return x + moe_mlp(rms_norm(x, wn, eps), w, cfg, routed)
     if lean and not (mlp_chunk and b * s > mlp_chunk):
         return x + _NormSwiGLU.apply(x, wn, w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"],
                                      w["mlp.down_proj.weight"], eps)
@@ -409,10 +524,11 @@ def head_loss_and_grads(w_head: dict, w_embed: dict | None, x: torch.Tensor, tar
 
 
 def flops_per_step(cfg: ModelConfig, tokens: int, seq_len: int, square_lengths: int | None = None) -> float:
-    """ARCHITECTURE.md's formula: 6 x params x tokens + 6 x layers x hidden x seq x tokens.
-    Under document attention the attention's term counts each document's own work:
-    ``square_lengths``, the sum of the step's documents' squared lengths
-    (``data.square_document_lengths``), in place of seq x tokens (a causal row is one
+    """ARCHITECTURE.md's formula: 6 x params x tokens + 6 x layers x hidden x seq x tokens, with
+    a mixture of experts' *active* parameters (``ModelConfig.active_params``: k experts a token,
+    the whole router). Under document attention the attention's term counts each document's
+    own work: ``square_lengths``, the sum of the step's documents' squared lengths
+    (``Batch.square_document_lengths``), in place of seq x tokens (a causal row is one
     document of seq tokens: rows x seq^2 = seq x tokens)."""
     pairs = seq_len * tokens if square_lengths is None else square_lengths
-    return 6.0 * cfg.num_params() * tokens + 6.0 * cfg.num_hidden_layers * cfg.hidden_size * pairs
+    return 6.0 * cfg.active_params() * tokens + 6.0 * cfg.num_hidden_layers * cfg.hidden_size * pairs

@@ -1,6 +1,7 @@
 """The model section of a run's configuration: a Llama-family decoder in Hugging Face
-``config.json`` terms (its shape, attention and RoPE variants, and the parameter count), apart
-from the run's other sections (``megaray.config``), which only say how to train it."""
+``config.json`` terms (its shape, attention and RoPE variants, its experts if it is a mixture
+of experts, and the parameter count), apart from the run's other sections
+(``megaray.config``), which only say how to train it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,7 +50,30 @@ class ModelConfig:
     attention_bias: bool = False
     """Biases on q/k/v projections (Qwen2)."""
     qk_norm: bool = False
-    """RMSNorm on queries and keys per head before rotary (Qwen3)."""
+    """RMSNorm on queries and keys before rotary (Qwen3, Qwen3-MoE, OLMoE)."""
+    qk_norm_scope: str = "head"
+    """What a q/k norm normalises: 'head' (each head's head_dim values: Qwen3, Qwen3-MoE) or
+    'projection' (the whole q and k projections, with weights of their widths: OLMoE)."""
+    num_experts: int = 0
+    """Experts of every block's mixture-of-experts MLP; 0: a dense SwiGLU MLP (config.json's
+    num_experts, or num_local_experts for Mixtral)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k). Routing is dropless: every token reaches its k."""
+    moe_intermediate_size: int = 0
+    """Each expert's SwiGLU width (Qwen3-MoE's moe_intermediate_size; intermediate_size for
+    Mixtral and OLMoE, whose blocks have no dense MLP)."""
+    norm_topk_prob: bool = False
+    """The router: softmax over the experts, the top k of it, and with this the k weights
+    renormalised to sum to 1 (Qwen3-MoE sets it; Mixtral's softmax over its top-k logits is
+    the same weights, so Mixtral sets it too; OLMoE does not)."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of the load-balancing loss in the objective (config.json's)."""
+    output_router_logits: bool = False
+    """Whether the load-balancing loss is trained (config.json's switch, as transformers adds it
+    to the loss only then); override it in the YAML to turn the loss on or off."""
+    pad_token_id: int | None = None
+    """The padding token (config.json's): transformers' embedding never trains its row
+    (nn.Embedding's padding_idx), and neither does megaray's lookup."""
     initializer_range: float = 0.02
     """Standard deviation of the normal initialization of matrices."""
     sliding_window: int | None = None
@@ -79,6 +103,24 @@ class ModelConfig:
             raise ConfigError("model.head_dim", f"must be even for rotary embeddings (got {self.head_dim})")
         if self.rms_norm_eps <= 0:
             raise ConfigError("model.rms_norm_eps", "must be > 0")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ConfigError("model.pad_token_id", f"must be a token id below vocab_size={self.vocab_size} "
+                                                    f"(got {self.pad_token_id})")
+        if self.qk_norm_scope not in ("head", "projection"):
+            raise ConfigError("model.qk_norm_scope", f"must be head or projection (got {self.qk_norm_scope!r})")
+        if self.num_experts < 0:
+            raise ConfigError("model.num_experts", f"must be >= 0 (got {self.num_experts})")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError("model.num_experts_per_tok", f"must be 1..num_experts={self.num_experts} "
+                                                               f"(got {self.num_experts_per_tok})")
+            if self.moe_intermediate_size <= 0:
+                raise ConfigError("model.moe_intermediate_size", "must be a positive integer for a mixture of "
+                                                                 f"experts (got {self.moe_intermediate_size})")
+        if self.moe:
+            self._check_moe_family()
+        if self.router_aux_loss_coef < 0:
+            raise ConfigError("model.router_aux_loss_coef", f"must be >= 0 (got {self.router_aux_loss_coef})")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             if kind != "llama3":
@@ -94,13 +136,51 @@ class ModelConfig:
             raise ConfigError("model.shape", f"unknown shape {shape!r}; known: {sorted(SHAPES)}")
         return cls(**{**SHAPES[shape], "shape": shape, **overrides})
 
+    def _check_moe_family(self) -> None:
+        """A mixture of experts is one of three Hugging Face families, each a fixed set of
+        differences (its names, its router, its q/k norms): the family is ``architecture``, or,
+        unset, the one its keys describe, so that the layout's names and ``megaray export``
+        agree."""
+        families = {   # architecture: (q/k norm scope or None, norm_topk_prob required or None)
+            "Qwen3MoeForCausalLM": ("head", None), "OlmoeForCausalLM": ("projection", None),
+            "MixtralForCausalLM": (None, True)}
+        scope = self.qk_norm_scope if self.qk_norm else None
+        if self.architecture is None:
+            self.architecture = next(a for a, (s, _) in families.items() if s == scope)
+        if self.architecture not in families:
+            raise ConfigError("model.num_experts", f"{self.architecture} is not a mixture of experts; "
+                                                   f"those are {sorted(families)}")
+        want_scope, want_norm = families[self.architecture]
+        if scope != want_scope:
+            raise ConfigError("model.qk_norm", f"{self.architecture} has {want_scope or 'no'} q/k norms "
+                                               f"(got {scope or 'none'})")
+        if want_norm is not None and self.norm_topk_prob != want_norm:
+            raise ConfigError("model.norm_topk_prob", f"{self.architecture}'s router renormalises its top-k "
+                                                      "weights (true)")
+
+    @property
+    def moe(self) -> bool:
+        """A mixture of experts (every block's MLP is experts and their router)."""
+        return self.num_experts > 0
+
     def num_params(self) -> int:
+        """Every parameter: what the host holds and the optimizer updates."""
+        return self._params(self.num_experts)
+
+    def active_params(self) -> int:
+        """The parameters a token's compute reads: a dense model's all; a mixture of experts'
+        with k of its experts (and the whole router): what TFLOP/s counts."""
+        return self._params(self.num_experts_per_tok) if self.moe else self.num_params()
+
+    def _params(self, experts: int) -> int:
+        """The count with ``experts`` experts' matrices a block (and the whole router)."""
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        block = 2 * h + h * q + 2 * h * kv + q * h + 3 * h * i
+        block = 2 * h + h * q + 2 * h * kv + q * h
+        block += (experts * 3 * h * self.moe_intermediate_size + self.num_experts * h) if self.moe else 3 * h * i
         if self.attention_bias:
             block += q + 2 * kv
         if self.qk_norm:
-            block += 2 * self.head_dim
+            block += 2 * self.head_dim if self.qk_norm_scope == "head" else q + kv
         head = h + (0 if self.tie_word_embeddings else self.vocab_size * h)
         return self.vocab_size * h + L * block + head

@@ -21,6 +21,26 @@ def llama_shape(*, hidden: int, layers: int, heads: int, kv_heads: int, intermed
     return shape
 
 
+def moe_shape(*, hidden: int, layers: int, heads: int, kv_heads: int, experts: int, top_k: int, expert_width: int,
+              vocab: int, head_dim: int | None = None, rope_theta: float = 1000000.0, max_pos: int = 32768,
+              norm_topk: bool = False, qk_norm: str | None = None, aux_coef: float = 0.001,
+              eps: float = 1e-6, arch: str = "Qwen3MoeForCausalLM") -> dict:
+    """A mixture of experts: every block's MLP is ``experts`` SwiGLU experts of ``expert_width``
+    and a router sending each token to ``top_k`` of them; untied, no attention biases."""
+    shape = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=expert_width, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=rope_theta,
+        max_position_embeddings=max_pos, tie_word_embeddings=False, rms_norm_eps=eps, num_experts=experts,
+        num_experts_per_tok=top_k, moe_intermediate_size=expert_width, norm_topk_prob=norm_topk,
+        router_aux_loss_coef=aux_coef, output_router_logits=True, architecture=arch,
+    )
+    if head_dim is not None:
+        shape["head_dim"] = head_dim
+    if qk_norm is not None:
+        shape.update(qk_norm=True, qk_norm_scope=qk_norm)
+    return shape
+
+
 SHAPES: dict[str, dict] = {
     "debug": llama_shape(hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, vocab=256,
                          rope_theta=10000.0, max_pos=1024, llama3_rope=False),
@@ -37,4 +57,17 @@ SHAPES: dict[str, dict] = {
     # a dense Llama-style 120B-class model (the paper's largest scale on one H200): width 12288,
     # 76 blocks, 96 query and 8 kv heads of 128, SwiGLU 32768, Llama-3 vocabulary: 119.8B parameters
     "dense120b": llama_shape(hidden=12288, layers=76, heads=96, kv_heads=8, intermediate=32768, tied=False),
+    # the tests' mixture of experts: 4 experts, top-2, Qwen3-MoE's router and q/k norms
+    "debug_moe": moe_shape(hidden=32, layers=2, heads=4, kv_heads=2, experts=4, top_k=2, expert_width=16,
+                           vocab=256, rope_theta=10000.0, max_pos=1024, norm_topk=True, qk_norm="head"),
+    # OLMoE-1B-7B: 6.92B parameters, 1.28B active
+    "olmoe7b": moe_shape(hidden=2048, layers=16, heads=16, kv_heads=16, experts=64, top_k=8, expert_width=1024,
+                         vocab=50304, rope_theta=10000.0, max_pos=4096, qk_norm="projection", aux_coef=0.01,
+                         eps=1e-5, arch="OlmoeForCausalLM"),
+    # Qwen3-30B-A3B: 30.5B parameters, 3.3B active
+    "qwen3moe30b": moe_shape(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8,
+                             expert_width=768, vocab=151936, max_pos=40960, norm_topk=True, qk_norm="head"),
+    # Mixtral-8x7B: 46.7B parameters, 12.9B active
+    "mixtral8x7b": moe_shape(hidden=4096, layers=32, heads=32, kv_heads=8, experts=8, top_k=2, expert_width=14336,
+                             vocab=32000, norm_topk=True, eps=1e-5, arch="MixtralForCausalLM"),
 }

@@ -38,6 +38,11 @@ STEP_GAUGES = {   # per-step values: metrics.jsonl, TensorBoard train/<name>, ra
     "gpu_memory_peak_bytes": "Peak device memory of the worker in the last step",
     "skipped_steps": "Steps skipped so far for a non-finite loss or gradient (exported from the first step)",
 }
+MOE_GAUGES = {   # a mixture of experts' rows add these
+    "router_loss": "Load-balancing loss of the last step, unweighted (1.0: balanced routing)",
+    "expert_load_max": "Most-loaded expert's tokens over the mean, worst layer, last step",
+    "expert_load_mean": "Most-loaded expert's tokens over the mean, averaged over the layers, last step",
+}
 STEP_COUNTERS = {"steps_total": "Training steps completed", "tokens_total": "Training tokens processed"}
 SHARD_GAUGES = {
     "optimizer_seconds": "Time this optimizer shard spent updating in its last step",
@@ -185,10 +190,24 @@ class StepResult:
     fused_elementwise: bool | None = None
     """On CUDA: whether the compiled elementwise kernels ran (None on the CPU)."""
     gpu_peak_bytes: int = 0
+    router_loss: float | None = None
+    """A mixture of experts': the load-balancing loss over the step, unweighted
+    (experts x sum_e f_e P_e, transformers' ``aux_loss``; 1.0 when the routing is balanced)."""
+    expert_load_max: float | None = None
+    """The most-loaded expert's tokens over the mean, in the worst layer."""
+    expert_load_mean: float | None = None
+    """The same, averaged over the layers."""
 
     @property
     def loss(self) -> float:
         return self.loss_sum / max(self.tokens, 1)
+
+    def moe_metrics(self) -> dict:
+        """A mixture of experts' row keys (none for a dense model)."""
+        if self.router_loss is None:
+            return {}
+        return {"router_loss": self.router_loss, "expert_load_max": self.expert_load_max,
+                "expert_load_mean": self.expert_load_mean}
 
     def metrics(self) -> dict:
         """The worker's side of a step's metrics row, ``worker/<name>`` each."""

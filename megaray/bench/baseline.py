@@ -12,31 +12,38 @@ import torch.nn as nn
 
 from megaray import fused
 from megaray.config import RunConfig
-from megaray.layout import build_layout, short_name
+from megaray.layout import EXPERTS, build_layout
 from megaray.model import block_forward, embed_forward, rms_norm, rope_tables
 
 
 class BaselineLlama(nn.Module):
-    """Every weight an nn.Parameter on one device; the same math as megaray's templates."""
+    """Every weight an nn.Parameter on one device (a mixture's experts as one stacked
+    parameter per projection, as the templates read them); the same math as megaray's."""
 
     def __init__(self, cfg, state: dict[str, np.ndarray], device):
         super().__init__()
         self.cfg = cfg
         self.units = build_layout(cfg)
-        self.params = nn.ParameterDict({
-            k.replace(".", "__"): nn.Parameter(torch.tensor(v, device=device)) for k, v in state.items()})
+        self.params = nn.ParameterDict()
+        for u in self.units:
+            for v in u.views:
+                names = [s.name for s in u.params if s.key == v.key]
+                t = (torch.stack([torch.as_tensor(state[n]) for n in names]) if v.key.startswith(EXPERTS)
+                     else torch.as_tensor(state[names[0]]))
+                self.params[f"{u.index}__{v.key}".replace(".", "__")] = nn.Parameter(t.to(device).reshape(v.shape))
         self.rope = rope_tables(cfg, cfg.max_position_embeddings, device)
 
     def _w(self, unit) -> dict:
-        return {short_name(s.name): self.params[s.name.replace(".", "__")] for s in unit.params}
+        return {v.key: self.params[f"{unit.index}__{v.key}".replace(".", "__")] for v in unit.views}
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = embed_forward(self._w(self.units[0]), tokens)
+        x = embed_forward(self._w(self.units[0]), tokens, self.cfg.pad_token_id)
         for u in self.units[1:-1]:
             x = block_forward(self._w(u), x, self.rope, self.cfg, lean=False)   # plain autograd
         wh = self._w(self.units[-1])
         h = rms_norm(x, wh["model.norm.weight"], self.cfg.rms_norm_eps)
-        out = self.params["model__embed_tokens__weight"] if self.cfg.tie_word_embeddings else wh["lm_head.weight"]
+        tied = self.cfg.tie_word_embeddings
+        out = self._w(self.units[0])["model.embed_tokens.weight"] if tied else wh["lm_head.weight"]
         logits = (h @ out.t()).float()
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 

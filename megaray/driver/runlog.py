@@ -20,7 +20,7 @@ from pathlib import Path
 from megaray.config import RunConfig
 from megaray.errors import ConfigError
 from megaray.loader import dump_config
-from megaray.step import STEP_GAUGES
+from megaray.step import MOE_GAUGES, STEP_GAUGES
 
 log = logging.getLogger("megaray")
 LOG_FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
@@ -114,6 +114,9 @@ class RunLog:
         try:
             for key in TB_SCALARS:
                 self.tb.add_scalar(f"train/{key}", m[key], m["step"])
+            for key in MOE_GAUGES:          # a mixture of experts' rows only
+                if key in m:
+                    self.tb.add_scalar(f"train/{key}", m[key], m["step"])
             self.metrics.write(json.dumps(m) + "\n")
             self.metrics.flush()
         except OSError as e:          # a full or vanished run directory: the training goes on

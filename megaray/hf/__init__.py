@@ -3,8 +3,10 @@
 ``megaray.hf.read`` turns a model directory (config.json and safetensors) into a model config
 and master weights; ``megaray.hf.export`` writes a checkpoint back as a model directory that
 transformers loads. Supported architectures: LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM and Qwen3ForCausalLM, whose parameter names are megaray's own
-(``megaray.layout`` uses Hugging Face's names), so both directions copy tensor by tensor.
+Qwen2ForCausalLM and Qwen3ForCausalLM, and the mixtures of experts Qwen3MoeForCausalLM,
+MixtralForCausalLM and OlmoeForCausalLM, whose parameter names are megaray's own
+(``megaray.layout`` uses Hugging Face's names, each expert's matrices as the Hub stores them),
+so both directions copy tensor by tensor.
 """
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
 }
+MOE = ("qwen3_moe", "mixtral", "olmoe")
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
               "generation_config.json", "chat_template.jinja")

@@ -16,7 +16,7 @@ import torch
 from megaray.checkpoint import Checkpoint, complete_checkpoints
 from megaray.config import ModelConfig
 from megaray.errors import CheckpointError, ExportError
-from megaray.hf import ARCHITECTURES, SIDE_FILES
+from megaray.hf import ARCHITECTURES, MOE, SIDE_FILES
 from megaray.layout import DTYPES, build_layout
 from megaray.leftovers import remove_dead_tmp
 
@@ -36,12 +36,27 @@ def hf_config_dict(model, architecture: str | None, source: dict | None = None) 
         "tie_word_embeddings": model.tie_word_embeddings, "torch_dtype": "float32",
         "rope_theta": model.rope_theta, "rope_scaling": model.rope_scaling,
     })
+    if model.pad_token_id is not None:
+        out["pad_token_id"] = model.pad_token_id
     out.pop("rope_parameters", None)
     out.pop("dtype", None)
-    if ARCHITECTURES[arch] in ("llama", "qwen3"):
+    kind = ARCHITECTURES[arch]
+    if kind in ("llama", "qwen3", "qwen3_moe", "olmoe"):
         out["attention_bias"] = model.attention_bias
-    if ARCHITECTURES[arch] == "mistral":
+    if kind in ("mistral", "mixtral"):
         out["sliding_window"] = model.sliding_window
+    if kind in MOE:
+        out.update({"num_local_experts" if kind == "mixtral" else "num_experts": model.num_experts,
+                    "num_experts_per_tok": model.num_experts_per_tok,
+                    "router_aux_loss_coef": model.router_aux_loss_coef,
+                    "output_router_logits": model.output_router_logits})
+        if kind == "qwen3_moe":
+            out.update(moe_intermediate_size=model.moe_intermediate_size, norm_topk_prob=model.norm_topk_prob,
+                       decoder_sparse_step=1, mlp_only_layers=[])
+        elif kind == "olmoe":
+            out.update(norm_topk_prob=model.norm_topk_prob, clip_qkv=None)
+        else:
+            out["router_jitter_noise"] = 0.0
     return out
 
 

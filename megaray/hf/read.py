@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from megaray.errors import ConfigError, ModelFileError
-from megaray.hf import ARCHITECTURES
+from megaray.hf import ARCHITECTURES, MOE
 from megaray.machine import on_cores
 
 IGNORED_TENSORS = ("rotary_emb.inv_freq",)
@@ -39,8 +39,7 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     if bad:
         raise ConfigError("model.from", f"{p}: {', '.join(f'{k}={c[k]!r}' for k in bad)} must be positive integers")
     archs = c.get("architectures") or []
-    arch = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(c.get("model_type"))
+    arch = archs[0] if archs else {v: k for k, v in ARCHITECTURES.items()}.get(c.get("model_type"))
     if arch not in ARCHITECTURES:
         raise ConfigError("model.from", f"{p}: architecture {archs or c.get('model_type')} is not supported "
                                         f"(supported: {sorted(ARCHITECTURES)})")
@@ -77,10 +76,44 @@ def read_hf_config(path: str | os.PathLike) -> dict:
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         attention_bias=True if kind == "qwen2" else bool(c.get("attention_bias", False)),
         qk_norm=kind == "qwen3", initializer_range=float(c.get("initializer_range", 0.02)),
-        sliding_window=c.get("sliding_window") if (kind == "mistral" or c.get("use_sliding_window")) else None,
-        architecture=arch,
+        sliding_window=(c.get("sliding_window") if (kind in ("mistral", "mixtral") or c.get("use_sliding_window"))
+                        else None),
+        architecture=arch, pad_token_id=_token(c.get("pad_token_id"), c["vocab_size"]),
     )
+    if kind in MOE:
+        out.update(_experts(c, kind, refuse))
     return out
+
+
+def _token(t, vocab: int) -> int | None:
+    """A token id of config.json, or None where it is unset or outside the vocabulary (some
+    configs name an id their vocabulary lacks, which transformers then does not use either)."""
+    return t if isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab else None
+
+
+def _experts(c: dict, kind: str, refuse) -> dict:
+    """A mixture of experts' keys: its experts, router and load-balancing loss, and OLMoE's and
+    Qwen3-MoE's q/k norms; refuses the variants the templates do not implement."""
+    if kind == "qwen3_moe":
+        if c.get("decoder_sparse_step", 1) != 1:
+            refuse("decoder_sparse_step", "every block is a mixture of experts (1)")
+        if c.get("mlp_only_layers"):
+            refuse("mlp_only_layers", "every block is a mixture of experts (none dense)")
+    if kind == "mixtral" and c.get("router_jitter_noise"):
+        refuse("router_jitter_noise", "the router adds no noise (0)")
+    if kind == "olmoe" and c.get("clip_qkv") is not None:
+        refuse("clip_qkv", "q, k and v are not clipped (null)")
+    experts = c.get("num_experts") or c.get("num_local_experts")
+    if not isinstance(experts, int) or experts <= 0:
+        refuse("num_experts", "a mixture of experts needs a positive number of experts")
+    return dict(
+        num_experts=experts, num_experts_per_tok=int(c.get("num_experts_per_tok", 2)),
+        moe_intermediate_size=int(c.get("moe_intermediate_size") or c["intermediate_size"]),
+        norm_topk_prob=True if kind == "mixtral" else bool(c.get("norm_topk_prob", False)),
+        router_aux_loss_coef=float(c.get("router_aux_loss_coef", 0.001)),
+        output_router_logits=bool(c.get("output_router_logits", False)),
+        qk_norm=kind in ("qwen3_moe", "olmoe"), qk_norm_scope="projection" if kind == "olmoe" else "head",
+    )
 
 
 class SafetensorsSource:

@@ -101,21 +101,35 @@ def block_forward_seconds(cfg: RunConfig, speeds: Speeds) -> float:
     matrix products (2 x the block's parameters x tokens) and its attention (2 x hidden x
     sequence x tokens)."""
     m, t = cfg.model, cfg.train
-    block = build_layout(m)[1].numel if m.num_hidden_layers else 0
+    block = active_block_params(m)
     mm, attn = rates(cfg, speeds)
     return 2.0 * t.tokens_per_step * (block / mm + m.hidden_size * t.seq_len / attn)
+
+
+def active_block_params(m) -> int:
+    """One block's parameters a token's compute reads: all of a dense block's; a mixture's with
+    k of its experts (and its whole router). Their products run at the dense rates by hidden
+    size: the experts' grouped products (width ``moe_intermediate_size``) have no rate of their
+    own measured yet."""
+    if not m.num_hidden_layers:
+        return 0
+    block = build_layout(m)[1].numel
+    if m.moe:
+        block -= (m.num_experts - m.num_experts_per_tok) * 3 * m.hidden_size * m.moe_intermediate_size
+    return block
 
 
 def compute_seconds(cfg: RunConfig, speeds: Speeds, recomputed: int = 0) -> float:
     """The GPU's seconds for a step's FLOPs (ARCHITECTURE.md's formula, causal attention's
     work: document masking does less, which the plan cannot know in advance) and for
     ``recomputed`` blocks' forwards again (``block_forward_seconds`` each): the matrix
-    products (6 x parameters x tokens) and the attention (6 x layers x hidden x sequence x
+    products (6 x active parameters x tokens) and the attention (6 x layers x hidden x sequence x
     tokens), each at its rate (``rates``)."""
     m, t = cfg.model, cfg.train
     tokens = t.tokens_per_step
     mm, attn = rates(cfg, speeds)
-    return (6.0 * m.num_params() * tokens / mm + 6.0 * m.num_hidden_layers * m.hidden_size * t.seq_len * tokens / attn
+    return (6.0 * m.active_params() * tokens / mm
+            + 6.0 * m.num_hidden_layers * m.hidden_size * t.seq_len * tokens / attn
             + recomputed * block_forward_seconds(cfg, speeds))
 
 

@@ -65,12 +65,39 @@ def block_internal_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, mlp_chunk
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     s = dtype_bytes
-    norms = 2 * 4 + s * h * (2 if mlp_chunked else 1)     # two scales; norm 2's input (and output, chunked)
     kv_saved = kv if SDPA_GQA or kv == q else q
     attn = s * (2 * q + 2 * kv_saved) + 4 * cfg.num_attention_heads   # q, k, v, output (= o_proj input), lse
+    if cfg.qk_norm:       # the norms' inputs and fp32 scales (one a head, or one a projection)
+        scales = cfg.num_attention_heads + cfg.num_key_value_heads if cfg.qk_norm_scope == "head" else 2
+        attn += s * (q + kv) + 4 * scales
+    if cfg.moe:           # the first norm as in the dense block; the MLP is moe_bytes_per_token's
+        return 4 + attn + (0 if lean else s * h) + moe_bytes_per_token(cfg, s)
+    norms = 2 * 4 + s * h * (2 if mlp_chunked else 1)     # two scales; norm 2's input (and output, chunked)
     mlp = 0 if mlp_chunked else 2 * s * i       # gate and up
     plain = 0 if lean else s * h + (0 if mlp_chunked else s * h + (1 if fused else 2) * s * i)
     return norms + attn + mlp + plain
+
+
+def moe_bytes_per_token(cfg: ModelConfig, s: int) -> int:
+    """What a mixture's MLP (``model.moe_mlp``, plain autograd) saves per token: the norm's input,
+    scale and output; the router's fp32 softmax and its top k (values, int64 indices, and the
+    renormalised weights); for each of the k rows the token sends to its experts (sorted): the
+    gathered input, the gate and up projections, silu(gate), the product, the experts' output
+    and its weighted copy, the sort's int64 order and token index."""
+    h, e, k, i = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
+    norm = 2 * s * h + 4
+    router = 4 * e + k * (4 + 8 + 4 + s)
+    rows = k * (3 * s * h + 4 * s * i + 2 * 8)
+    return norm + router + rows
+
+
+def mlp_backward_bytes_per_token(cfg: ModelConfig, s: int) -> int:
+    """The MLP backward's transient tensors per token beside what it saved: the dense block's
+    MLP_LIVE [tokens, intermediate] tensors, or a mixture's gradients of its k rows' gate, up
+    and product (and of the gathered input)."""
+    if cfg.moe:
+        return cfg.num_experts_per_tok * (MLP_LIVE * s * cfg.moe_intermediate_size + s * cfg.hidden_size)
+    return MLP_LIVE * s * cfg.intermediate_size
 
 
 def attention_backward_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
@@ -228,7 +255,7 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
         # backward, whichever is larger (the attention's, for long chunked micro-batches)
         "recomputation workspace (1 micro-batch)": max(
             (sh.internal_per_token if sh.recompute_lean else sh.plain_per_token) * sh.micro_tokens
-            + (mlp_chunk or MLP_LIVE * s * m.intermediate_size * sh.micro_tokens),
+            + (mlp_chunk or mlp_backward_bytes_per_token(m, s) * sh.micro_tokens),
             attention_backward_bytes_per_token(m, s) * sh.micro_tokens),
         "loss chunk (logits, gradients)": loss_chunk_bytes(cfg),
         ("kept blocks (internals + weights, at the peak)" if lean else

@@ -59,6 +59,7 @@ _HOST_USABLE = (f"what is available less {HOST_RESERVE:.0%}, at least {HOST_RESE
 @dataclass
 class Plan:
     params: int
+    active: int = 0                 # the parameters a token's compute reads (a mixture's k experts)
     shm: dict = field(default_factory=dict)
     host_private: dict = field(default_factory=dict)
     gpu: dict = field(default_factory=dict)
@@ -95,7 +96,9 @@ class Plan:
             lines += [f"    {k:<42} {v / GiB:8.2f} GiB" for k, v in items.items()]
             return lines
 
-        out = [f"model: {self.params / 1e9:.3f}B parameters; host state {self.host_bytes_per_param:.2f} bytes/param"]
+        active = f" ({self.active / 1e9:.3f}B active a token)" if self.active and self.active != self.params else ""
+        out = [f"model: {self.params / 1e9:.3f}B parameters{active}; host state {self.host_bytes_per_param:.2f} "
+               f"bytes/param"]
         out += block("host memory", {**self.shm, **self.host_private}, self.host_total,
                      f"usable {host_budget(machine) / GiB:.2f} GiB of {machine.host_bytes / GiB:.2f} available: "
                      f"{_HOST_USABLE}" if machine else None)
@@ -114,7 +117,7 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
     m, t = cfg.model, cfg.train
     units = build_layout(m)
     h = Handles.for_config(cfg, "plan", 0, units)
-    p = Plan(params=m.num_params(), slab_bytes=h.slab_bytes)
+    p = Plan(params=m.num_params(), active=m.active_params(), slab_bytes=h.slab_bytes)
     o = cfg.optim
     p.shm = {f"{_SHORT[o.master_dtype]} master weights": h.held_bytes("master")}     # resident: on the GPU
     if not h.aliased:

@@ -179,3 +179,25 @@ def test_input_stride_saves_every_sth_input_by_hand():
     assert memory.recompute_order(5, 2) == [(4, True, True), (2, False, True), (3, True, False), (2, True, False),
                                             (0, False, True), (1, True, False), (0, True, False)]
     assert memory.recompute_order(3, 1) == [(2, True, True), (1, True, True), (0, True, True)]
+
+
+@pytest.mark.parametrize("shape, kw", [
+    ("debug", dict(qk_norm=True)),
+    ("debug_moe", {}),
+    ("debug_moe", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=40)),
+    ("debug_moe", dict(qk_norm_scope="projection", architecture="OlmoeForCausalLM", norm_topk_prob=False)),
+], ids=["qk-norms", "moe", "moe-top3-wide", "olmoe-norms"])
+def test_estimate_of_qk_norms_and_experts_against_what_autograd_saves(shape, kw):
+    """q/k norms save their inputs and scales (exactly counted); a mixture's MLP saves the
+    router's softmax and top k, and per routed row the gathered input, gate, up, silu, product,
+    the experts' output and its weighted copy: counted to within 2% (a little over: the top-k
+    values and the renormalised weights share storage where norm_topk_prob is off)."""
+    cfg = ModelConfig.from_shape(shape, **kw)
+    rope = 4 * cfg.head_dim * 2 / 2
+    for lean in (True, False):
+        got = _saved_bytes_per_token(cfg, lean=lean) - rope
+        want = block_internal_bytes_per_token(cfg, 2, lean=lean)
+        if cfg.moe:
+            assert got <= want <= 1.02 * got, (lean, got, want)
+        else:
+            assert got == want, (lean, got, want)

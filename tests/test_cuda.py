@@ -258,3 +258,53 @@ def test_the_block_bench_times_fused_and_eager_passes():
     for mode in ("eager", "fused"):
         assert set(row[mode]) == {"forward_s", "lean_s", "plain_s"} and min(row[mode].values()) > 0
     assert row["products"]["backward_s"] < row["eager"]["plain_s"]
+
+
+def test_experts_as_grouped_products_equal_the_loop_on_the_gpu(monkeypatch):
+    """A mixture's block on the GPU in bf16: the experts through torch._grouped_mm (where this
+    GPU runs it) against the loop over the experts, forward and every gradient, to bf16
+    rounding; in fp32 the loop on the GPU against the CPU's to fp32 rounding."""
+    from megaray import model
+    from megaray.config import ModelConfig
+    from megaray.layout import bind, build_layout
+    from megaray.model import block_forward, init_unit, rope_tables
+
+    cfg = ModelConfig.from_shape("debug_moe", num_experts=8, num_experts_per_tok=2, hidden_size=64,
+                                 moe_intermediate_size=32, head_dim=16)
+    unit = build_layout(cfg)[1]
+    base = init_unit(unit, cfg, seed=1) + 0.05 * torch.randn(unit.numel, generator=torch.Generator().manual_seed(2))
+    x0 = torch.randn(2, 128, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    dy0 = torch.randn(2, 128, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+
+    def run(device, dtype, grouped: bool | None):
+        monkeypatch.setattr(model, "_GROUPED", {} if grouped is None else {(device, dtype): grouped})
+        flat = base.to(device, dtype).requires_grad_()
+        x = x0.to(device, dtype).requires_grad_()
+        routed = []
+        y = block_forward(bind(flat, unit), x, rope_tables(cfg, 128, device), cfg, routed=routed)
+        gf, gx = torch.autograd.grad(y, [flat, x], dy0.to(device, dtype))
+        return [t.float().cpu() for t in (y, gf, gx, routed[0].counts)]
+
+    loop = run("cuda", torch.bfloat16, False)
+    if model._grouped_runs(torch.empty(1, device="cuda", dtype=torch.bfloat16)):
+        grouped = run("cuda", torch.bfloat16, True)
+        assert torch.equal(grouped[3], loop[3])                       # the same routing
+        for a, b in zip(grouped[:3], loop[:3]):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * float(b.abs().max()))
+    cpu = run("cpu", torch.float32, False)
+    gpu = run("cuda", torch.float32, False)
+    for a, b in zip(gpu, cpu):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_mixture_of_experts_trains_on_the_gpu_as_on_the_cpu(gpu_ray):
+    """debug_moe (4 experts, top 2, the load-balancing loss on) through the actors: the GPU's
+    fp32 steps equal the CPU's to fp32 rounding, bf16 closely; the router's metrics agree."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    extra = ("model.shape=debug_moe",)
+    cpu_l, cpu_m = _train("cpu", "float32", extra=extra, metrics=True)
+    gpu_l, gpu_m = _train("cuda", "float32", extra=extra, metrics=True)
+    np.testing.assert_allclose(gpu_l, cpu_l, rtol=1e-5)
+    np.testing.assert_allclose([m["router_loss"] for m in gpu_m], [m["router_loss"] for m in cpu_m], rtol=1e-5)
+    bf_l, _ = _train("cuda", "bfloat16", extra=extra)
+    np.testing.assert_allclose(bf_l, cpu_l, rtol=2e-2)

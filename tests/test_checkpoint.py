@@ -126,6 +126,25 @@ def test_each_state_dtype_resumes_bit_for_bit(ray_cluster, tmp_path, opts):
     assert "AdamW: the fused C kernel" in (Path(s["run_dir"]) / "train.log").read_text()
 
 
+def test_a_mixture_of_experts_resumes_bit_for_bit_under_another_cut(ray_cluster, tmp_path):
+    """debug_moe (its load-balancing loss trained) cut after step 4 and resumed from step 3's
+    checkpoint with three shards and small slabs: the steps after and the final weights are
+    the uninterrupted run's, bit for bit, the router's metrics too."""
+    opts = ("model.shape=debug_moe",)
+    ref = train(_cfg(tmp_path / "ref", "checkpoint.resume=null", *opts))
+    s = _cut_at_4_and_resume(tmp_path, *opts, resume=("optim.num_shards=3", "optim.grad_slab_mib=0.01"))
+    def rows(summary) -> dict[int, dict]:
+        lines = (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+        return {r["step"]: r for r in map(json.loads, lines)}
+
+    got, want = rows(s), rows(ref)
+    assert s["first_step"] == 3
+    for step in (4, 5, 6):
+        for key in ("loss", "router_loss", "expert_load_max", "expert_load_mean"):
+            assert got[step][key] == want[step][key], (step, key)
+    assert _master(Path(s["checkpoint"])) == _master(Path(ref["checkpoint"]))
+
+
 def test_bf16_master_and_moments_train_resume_and_export(ray_cluster, tmp_path):
     """The reduced-precision options end to end: a run learns, resumes bit for bit from its
     own checkpoint, refuses a checkpoint of the other master dtype, and exports fp32."""

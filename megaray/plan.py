@@ -56,6 +56,22 @@ _HOST_USABLE = (f"what is available less {HOST_RESERVE:.0%}, at least {HOST_RESE
                 "for the plan's error")
 
 
+def count(n: float) -> str:
+    """A parameter count a person reads: 35.3K, 0.77M, 1.24B (three significant digits)."""
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def size(b: float) -> str:
+    """Bytes a person reads: 512 B, 4 KiB, 64 MiB, 1.25 GiB (three significant digits)."""
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= div:
+            return f"{b / div:.3g} {unit}"
+    return f"{b:.0f} B"
+
+
 @dataclass
 class Plan:
     params: int
@@ -92,12 +108,12 @@ class Plan:
 
     def report(self, machine: Machine | None = None) -> str:
         def block(title, items, total, have=None):
-            lines = [f"{title}: {total / GiB:8.2f} GiB" + (f"  ({have})" if have is not None else "")]
-            lines += [f"    {k:<42} {v / GiB:8.2f} GiB" for k, v in items.items()]
+            lines = [f"{title}: {size(total):>10}" + (f"  ({have})" if have is not None else "")]
+            lines += [f"    {k:<48} {size(v):>10}" for k, v in items.items()]
             return lines
 
-        active = f" ({self.active / 1e9:.3f}B active a token)" if self.active and self.active != self.params else ""
-        out = [f"model: {self.params / 1e9:.3f}B parameters{active}; host state {self.host_bytes_per_param:.2f} "
+        active = f" ({count(self.active)} active a token)" if self.active and self.active != self.params else ""
+        out = [f"model: {count(self.params)} parameters{active}; host state {self.host_bytes_per_param:.2f} "
                f"bytes/param"]
         out += block("host memory", {**self.shm, **self.host_private}, self.host_total,
                      f"usable {host_budget(machine) / GiB:.2f} GiB of {machine.host_bytes / GiB:.2f} available: "
@@ -125,7 +141,7 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
     if h.grad_placement == "host":
         p.shm[f"gradients waiting for the norm ({_SHORT[h.grad_dtype]}, host)"] = h.held_bytes("grads")
     else:
-        p.shm[f"gradient ring ({h.ring_slabs} x {h.slab_bytes / 2**20:g} MiB)"] = h.ring_bytes
+        p.shm[f"gradient ring ({h.ring_slabs} x {size(h.slab_bytes)})"] = h.ring_bytes
     p.shm["control words"] = h.control_bytes
     if cfg.cluster.address is None:
         p.shm["ray object store"] = cfg.cluster.object_store_mb * 2**20

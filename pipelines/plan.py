@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     if short:
         for fix in remedies(cfg, machine):
             print(f"fits with: {fix}")
+    print(f"DOES NOT FIT {where}" if short else f"FITS {where}")
     return 1 if short else 0
 
 

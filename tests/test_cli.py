@@ -86,3 +86,20 @@ def test_output_into_a_reader_that_went_away_ends_without_a_traceback(args):
     proc.wait(timeout=300)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert proc.returncode == 141         # as a shell reports a writer a closed pipe stopped
+
+
+def test_plan_reads_as_words_and_ends_with_its_verdict(capsys):
+    """Counts and sizes a person reads (no 0.000B parameters, no 0.015625 MiB), and a last line
+    that says FITS or DOES NOT FIT."""
+    from megaray.plan import count, size
+
+    assert [count(n) for n in (12, 26_784, 770_000, 1_235_814_400)] == ["12", "26.8K", "770K", "1.24B"]
+    assert [size(b) for b in (300, 16384, 720 * 2**10, 64 * 2**20, 1.25 * 2**30)] == \
+        ["300 B", "16 KiB", "720 KiB", "64 MiB", "1.25 GiB"]
+    assert main(["plan", "debug", "--host-gib", "64", "--gpu-gib", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "model: 26.8K parameters" in out and "0.000B" not in out and "0.015625" not in out
+    assert out.rstrip().splitlines()[-1] == "FITS a machine of 64 GiB host memory and a 24 GiB GPU"
+    assert main(["plan", "debug", "--host-gib", "2", "--gpu-gib", "24"]) == 1
+    assert capsys.readouterr().out.rstrip().splitlines()[-1] == \
+        "DOES NOT FIT a machine of 2 GiB host memory and a 24 GiB GPU"

@@ -33,7 +33,7 @@ def test_debug_plan_by_hand():
     assert p.shm["fp32 master weights"] == 32768 + 2 * 40960 + 4096 == 118784
     # slabs of 16 KiB = 4096 fp32; pieces: embed 8192 -> 2; block: 9216 matrix elements -> 3,
     # 64 norm scales -> 1; head (tied: the final norm only) -> 1; 2 + 2 x 4 + 1 = 11 pieces
-    assert p.shm["gradient ring (3 x 0.015625 MiB)"] == 3 * 16384
+    assert p.shm["gradient ring (3 x 16 KiB)"] == 3 * 16384
     assert "float32 compute copy" not in p.shm                   # fp32 compute reads the master
     # abort, decided, verdict, clip coefficient; a version and a ready word a piece; two a slab
     assert p.shm["control words"] == 8 * (4 + 2 * 11 + 2 * 3)
@@ -185,7 +185,7 @@ def test_gradient_ring_deepens_with_what_host_memory_spares():
     assert "gradient ring" not in " ".join(plan_for(home, Machine(10**15, 10**15, None)).shm)
     # never more slabs than pieces: the debug model has 11 pieces of 16 KiB slabs
     tiny = load_config("debug", ["optim.grad_slab_mib=0.015625", "optim.num_shards=2"])
-    assert plan_for(tiny, Machine(10**15, 10**15, None)).shm["gradient ring (11 x 0.015625 MiB)"] == 11 * 16384
+    assert plan_for(tiny, Machine(10**15, 10**15, None)).shm["gradient ring (11 x 16 KiB)"] == 11 * 16384
 
 
 def test_largest_fit_is_the_edge():

@@ -29,17 +29,22 @@ def actor_guard(name: str, step: int, abort: Callable[[], None],
         raise ActorFailure(name, f"{type(e).__name__}: {e}", step) from e
 
 
+def failure_of(actor: str, exc: BaseException) -> MegarayError:
+    """The megaray error a failed call of ``actor`` stands for: the actor's own MegarayError
+    (an ActorFailure it raised, or an error its constructor raised), else an ActorFailure
+    naming ``actor``: its exception's type and message, or that it died."""
+    cause = getattr(exc, "cause", None)
+    cause = exc if cause is None else cause
+    if isinstance(cause, MegarayError):
+        return cause
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return ActorFailure(actor, f"actor died: {exc}")
+    return ActorFailure(actor, f"{type(cause).__name__}: {cause}")
+
+
 def get_or_raise(ref, actor: str):
-    """ray.get that turns an actor's failure into megaray's own error type: the actor's
-    MegarayError itself (also one its constructor raised), else ActorFailure naming it."""
+    """ray.get that raises a failed call as megaray's own error type (``failure_of``)."""
     try:
         return ray.get(ref)
-    except ray.exceptions.RayTaskError as e:
-        cause = e.cause if getattr(e, "cause", None) is not None else e
-        if isinstance(cause, MegarayError):
-            raise cause from None
-        raise ActorFailure(actor, str(cause)) from None
-    except ray.exceptions.RayActorError as e:
-        if isinstance(getattr(e, "cause", None), MegarayError):
-            raise e.cause from None
-        raise ActorFailure(actor, f"actor died: {e}") from None
+    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as e:
+        raise failure_of(actor, e) from None

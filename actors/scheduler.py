@@ -33,11 +33,11 @@ import ray
 
 from megaray.buffers import Handles, RunBuffers
 from megaray.config import RunConfig
-from megaray.errors import ActorFailure
 from megaray.lr_schedule import lr_at
 from megaray.model import flops_per_step
 from megaray.step import Batch, EvalResult, StepResult
 
+from .calls import failure_of
 from .metrics import MOE_GAUGES, STEP_COUNTERS, STEP_GAUGES, RunMetrics, node_memory_used_bytes
 
 
@@ -87,15 +87,15 @@ class Scheduler:
                 self._fail()
                 # Report the first cause, not an actor that only stopped because the run was
                 # aborted: when every failure so far is of that kind, give the rest a moment.
-                failures = [_as_failure(label, f.exception()) for label, f in failed]
-                if all(e.aborted for e in failures):
+                failures = [failure_of(label, f.exception()) for label, f in failed]
+                if all(_aborted(e) for e in failures):
                     rest = [f for f in [main_fut] + [f for _, f in seen.values()] if not f.done()]
                     if rest:
                         await asyncio.wait(rest, timeout=5.0)
                     everything = [(main[0], main_fut)] + list(seen.values())
-                    failures = [_as_failure(label, f.exception()) for label, f in everything
+                    failures = [failure_of(label, f.exception()) for label, f in everything
                                 if f.done() and f.exception() is not None]
-                raise min(failures, key=lambda e: e.aborted)
+                raise min(failures, key=_aborted)
             if main_fut.done():
                 return main_fut.result()
 
@@ -110,7 +110,7 @@ class Scheduler:
                 out.append(await r)
             except Exception as e:
                 self._fail()
-                raise _as_failure(label, e) from None
+                raise failure_of(label, e) from None
         return out
 
     async def train_step(self, step: int, batch: Batch) -> dict:
@@ -203,8 +203,6 @@ class Scheduler:
         self.counters.update({k: counters[k] for k in self.counters if k in counters})
 
 
-def _as_failure(label: str, exc: BaseException) -> ActorFailure:
-    cause = getattr(exc, "cause", None) or exc
-    if isinstance(cause, ActorFailure):
-        return cause
-    return ActorFailure(label, f"{type(cause).__name__}: {cause}")
+def _aborted(e) -> bool:
+    """Whether a failure only followed another's abort of the run (a first cause sorts first)."""
+    return getattr(e, "aborted", False)

@@ -372,13 +372,24 @@ class Checkpointer:
         self.failed: list[str] = []
 
     def _check_branch(self) -> None:
-        """A run resumed from a checkpoint of its own folder older than the folder's newest would
-        write over the later ones (another run's): refused, before any actor starts."""
+        """A run writes only into the lineage it continues. Refused, before any actor starts:
+        a run that does not resume from this folder's checkpoints (a fresh one, or one from a
+        checkpoint elsewhere) while the folder holds some (another run's: its checkpoints and
+        pruning would replace them); and a run resumed from a checkpoint of this folder older
+        than the folder's newest (it would write over the later ones)."""
         how = self.cfg.checkpoint.resume
-        if how in (None, "auto"):
+        if how == "auto":
             return
-        path = Path(how).resolve()
-        if path.parent != self.root.resolve() or not _STEP.fullmatch(path.name):
+        have = complete_checkpoints(self.root)
+        path = Path(how).resolve() if how is not None else None
+        ours = path is not None and path.parent == self.root.resolve() and _STEP.fullmatch(path.name)
+        if have and not ours:
+            started = "starts fresh (checkpoint.resume: null)" if how is None else f"starts from {how}"
+            raise ConfigError("checkpoint.dir", f"{self.root} holds another run's checkpoints (newest "
+                              f"{have[0].name}) and this run {started}: its checkpoints would replace them. "
+                              "Set checkpoint.resume: auto to continue that run, or give this run another "
+                              "checkpoint.dir (or run.name)")
+        if not ours:
             return
         newer = [p.name for p in complete_checkpoints(self.root) if p.name > path.name]
         if newer:
@@ -479,7 +490,8 @@ class Checkpointer:
         t0 = time.perf_counter()
         ck = Checkpoint(path)
         want = dataclasses.asdict(self.cfg.model)
-        have = ck.manifest.get("model", {})
+        defaults = {f.name: f.default for f in dataclasses.fields(type(self.cfg.model))}
+        have = {**defaults, **ck.manifest.get("model", {})}     # keys a 0.2 checkpoint lacks: their defaults
         diff = sorted(k for k in want if k not in _NOT_LINEAGE and want[k] != have.get(k))
         if diff:
             raise CheckpointError(f"{path} holds a different model than model: in this config "

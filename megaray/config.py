@@ -373,6 +373,11 @@ class CheckpointConfig:
     resume: str | None = "auto"
     """'auto': continue from the newest complete checkpoint if there is one; null: start
     fresh; or the path of one checkpoint folder."""
+    on_damaged: str = "refuse"
+    """When every checkpoint ``resume: auto`` finds is damaged: 'refuse' (the run fails before
+    training, naming each checkpoint and its bad part, and leaves them as they are) or
+    'start_over' (train from the initial weights in the same folder, replacing them as the run
+    reaches their steps)."""
     on_sigterm: bool = True
     """On SIGTERM (``ray job stop``) write a checkpoint after the current step, then exit."""
     max_restarts: int = 2
@@ -385,6 +390,8 @@ class CheckpointConfig:
             raise ConfigError("checkpoint.keep", "must be >= 1")
         if self.max_restarts < 0:
             raise ConfigError("checkpoint.max_restarts", "must be >= 0")
+        if self.on_damaged not in ("refuse", "start_over"):
+            raise ConfigError("checkpoint.on_damaged", f"must be refuse or start_over (got {self.on_damaged!r})")
 
 
 @dataclass(kw_only=True)

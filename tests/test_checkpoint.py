@@ -234,6 +234,33 @@ def test_corrupt_or_incomplete_checkpoint_falls_back_to_the_previous(ray_cluster
     assert shm_files() == []
 
 
+def test_every_checkpoint_damaged_is_refused_and_left_as_it_is(ray_cluster, tmp_path):
+    """resume: auto with every checkpoint damaged (one bad block in each master.bin): the run
+    fails before training, naming each checkpoint and its bad part, and the files stay byte for
+    byte (issue 47, item 2); asked to (checkpoint.on_damaged: start_over), it trains from the
+    initial weights in that folder."""
+    train(_cfg(tmp_path, "checkpoint.every=2", "checkpoint.keep=3"))
+    root = tmp_path / "checkpoints" / "debug"
+    ckpts = complete_checkpoints(root)
+    assert [p.name for p in ckpts] == ["step-00000006", "step-00000004", "step-00000002"]
+    for p in ckpts:
+        data = bytearray((p / "master.bin").read_bytes())
+        data[100] ^= 0xFF
+        (p / "master.bin").write_bytes(bytes(data))
+    before = {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()
+              and f.name != ".lock"}
+    with pytest.raises(CheckpointError) as e:
+        train(_cfg(tmp_path, "train.steps=8"))
+    for p in ckpts:
+        assert f"{p.name}: " in str(e.value) and f"{p.name}/master.bin is corrupt" in str(e.value)
+    assert "checkpoint.on_damaged: start_over" in str(e.value)
+    assert {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()
+            and f.name != ".lock"} == before
+    s = train(_cfg(tmp_path, "train.steps=8", "checkpoint.on_damaged=start_over"))
+    assert s["first_step"] == 0 and s["status"] == "succeeded"
+    assert shm_files() == []
+
+
 def test_a_checkpoint_being_replaced_is_never_lost(reference_run, tmp_path):
     """A run that writes a step its folder already holds renames the old checkpoint aside and
     removes it only once the new one is in place; a crash between the two leaves the aside,
@@ -257,11 +284,11 @@ def test_a_checkpoint_being_replaced_is_never_lost(reference_run, tmp_path):
     assert (step6 / "manifest.json").read_bytes() == manifest          # loaded, not written again
     assert _master(step6) == _master(ref_ckpt)
     assert sorted(p.name for p in root.iterdir()) == [".lock", "lineage.json", step6.name]
-    # a real replacement: step 6 corrupt, so the run starts over and writes step 6 anew
+    # a real replacement: step 6 corrupt, so the run starts over, as asked, and writes step 6 anew
     data = bytearray(_master(step6))
     data[100] ^= 0xFF
     (step6 / "master.bin").write_bytes(bytes(data))
-    s = train(_cfg(tmp_path, "train.steps=6"))
+    s = train(_cfg(tmp_path, "train.steps=6", "checkpoint.on_damaged=start_over"))
     assert s["first_step"] == 0 and _losses(s) == ref_losses
     assert _master(step6) == _master(ref_ckpt) and Checkpoint(step6).manifest["run_id"] == s["run_id"]
     assert sorted(p.name for p in root.iterdir()) == [".lock", "lineage.json", step6.name]

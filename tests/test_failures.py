@@ -79,6 +79,24 @@ def test_resuming_from_an_older_checkpoint_of_the_same_folder_is_refused(ray_clu
     assert s["first_step"] == 2 and Path(s["checkpoint"]).parent.name == s["run_id"] and _tree(folder) == before
 
 
+def test_a_fresh_run_never_writes_into_another_runs_checkpoint_folder(ray_cluster, tmp_path):
+    """Run A writes into checkpoint.dir X; run B (the same model, another seed) with the same X
+    and checkpoint.resume: null is refused before any actor starts, naming the folder and what
+    to do, and A's checkpoints stay as they were (issue 47, item 1); so is a run that starts
+    from a checkpoint elsewhere. Continuing A there (resume: auto) is what the folder is for."""
+    folder = tmp_path / "shared-ckpts"
+    a = train(_cfg(tmp_path, f"checkpoint.dir={folder}", "checkpoint.resume=null"))
+    before = _tree(folder)
+    for resume in ("null", a["checkpoint"]):
+        with pytest.raises(ConfigError, match=r"checkpoint.dir.*holds another run's checkpoints \(newest "
+                                              r"step-00000004\).*checkpoint.resume: auto"):
+            train(_cfg(tmp_path, f"checkpoint.dir={folder}", f"checkpoint.resume={resume}", "run.seed=7"))
+        assert _tree(folder) == before
+    s = train(_cfg(tmp_path, f"checkpoint.dir={folder}", "checkpoint.resume=auto", "train.steps=6"))
+    assert s["first_step"] == 4 and Path(s["checkpoint"]).parent == folder
+    assert shm_files() == []
+
+
 # 2 -------------------------------------------------------------------------------------------
 def test_a_read_only_checkpoint_folder_fails_before_training(ray_cluster, tmp_path):
     with _mount(tmp_path / "ro", "size=1m,ro") as ro:

@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from megaray.checkpoint import Checkpointer
 from megaray.config import RunConfig
@@ -142,7 +143,7 @@ class Trainer:
         to continue from."""
         cfg = self.cfg
         self.session = TrainingSession(cfg, self.run_id).start()
-        self.step, trainer = 0, {}
+        self.step, trainer, damaged = 0, {}, []
         for path in self.ckpt.candidates(how):
             try:
                 self.step, trainer = self.ckpt.load(self.session, path)
@@ -151,8 +152,19 @@ class Trainer:
                 if how not in (None, "auto"):
                     raise
                 log.error("%s; trying the previous checkpoint", e)
+                damaged.append(f"{Path(path).name}: {e}")
                 self.session.close()           # a half-loaded state is discarded with its actors
                 self.session = TrainingSession(cfg, self.run_id).start()
+        else:
+            if damaged and cfg.checkpoint.on_damaged != "start_over":
+                raise CheckpointError(
+                    f"every checkpoint in {self.ckpt.root} is damaged, and they are left as they are ("
+                    + "; ".join(damaged) + "). To train from the start in that folder anyway, its checkpoints "
+                    "replaced as the run reaches their steps, set checkpoint.on_damaged: start_over; or give the "
+                    "run another checkpoint.dir")
+            if damaged:
+                log.warning("every checkpoint in %s is damaged: training from the initial weights "
+                            "(checkpoint.on_damaged: start_over)", self.ckpt.root)
         self.position = trainer.get("data_position", self.step * self.session.rows_per_step)
         self.consecutive = trainer.get("consecutive_skipped", 0)
 

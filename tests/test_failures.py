@@ -8,6 +8,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,7 +88,9 @@ def test_a_fresh_run_never_writes_into_another_runs_checkpoint_folder(ray_cluste
     folder = tmp_path / "shared-ckpts"
     a = train(_cfg(tmp_path, f"checkpoint.dir={folder}", "checkpoint.resume=null"))
     before = _tree(folder)
-    for resume in ("null", a["checkpoint"]):
+    elsewhere = tmp_path / "elsewhere" / Path(a["checkpoint"]).name        # a checkpoint of another folder
+    shutil.copytree(a["checkpoint"], elsewhere)
+    for resume in ("null", elsewhere):
         with pytest.raises(ConfigError, match=r"checkpoint.dir.*holds another run's checkpoints \(newest "
                                               r"step-00000004\).*checkpoint.resume: auto"):
             train(_cfg(tmp_path, f"checkpoint.dir={folder}", f"checkpoint.resume={resume}", "run.seed=7"))

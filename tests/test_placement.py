@@ -265,7 +265,7 @@ def test_auto_chooses_where_gradients_live_with_the_placement():
     dev, host = home(capped, "device"), home(capped, "host")
     assert dev["resident"] == 0 < host["resident"] and host["step_s"] < dev["step_s"]
     chosen = resolve(capped, big).optim
-    assert (chosen.grad_placement, chosen.placement) == ("host", host["resident"])
+    assert (chosen.grad_placement, chosen.resident_units) == ("host", host["resident"])
     clipped = load_config("debug", [*over, "worker.gpu_memory_gib=24", "optim.clip_grad_norm=1.0"])
     dev_c, host_c = home(clipped, "device"), home(clipped, "host")
     assert host_c["resident"] == host["resident"]

@@ -126,8 +126,8 @@ def test_the_store_shows_how_far_its_weights_have_come_while_it_starts(ray_clust
     import logging
     import re
 
-    from megaray.actors import session as session_mod
     from megaray.actors.store import read_startup, startup_path
+    from megaray.driver import session as session_mod
 
     monkeypatch.setattr(session_mod, "STARTUP_REPORT_S", 0.01)
     cfg = load_config("debug", ["model.hidden_size=1024", "model.intermediate_size=4096", "model.num_hidden_layers=4"])

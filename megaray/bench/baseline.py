@@ -28,8 +28,8 @@ class BaselineLlama(nn.Module):
         for u in self.units:
             for v in u.views:
                 names = [s.name for s in u.params if s.key == v.key]
-                t = (torch.stack([torch.as_tensor(state[n]) for n in names]) if v.key.startswith(EXPERTS)
-                     else torch.as_tensor(state[names[0]]))
+                t = (torch.stack([torch.tensor(state[n]) for n in names]) if v.key.startswith(EXPERTS)
+                     else torch.tensor(state[names[0]]))     # copies: training never writes into ``state``
                 self.params[f"{u.index}__{v.key}".replace(".", "__")] = nn.Parameter(t.to(device).reshape(v.shape))
         self.rope = rope_tables(cfg, cfg.max_position_embeddings, device)
 

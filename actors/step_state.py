@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megaray.model import Routed, aux_loss_grad
+from megaray.model import Routed, aux_loss_grad, balance_loss
 from megaray.step import WorkerTimes
 
 from .device import StepClock
@@ -59,9 +59,8 @@ class RouterTally:
             self.grad = aux_loss_grad(cfg, self.counts.sum(0), float(self.rows))
 
     def loss(self, cfg) -> float:
-        """transformers' ``aux_loss``: experts x sum_e f_e P_e over the step (1.0: balanced)."""
-        rows = float(self.rows)
-        return float(cfg.num_experts * (self.counts.sum(0) * self.probs.sum(0)).sum() / (rows * rows))
+        """The step's load-balancing loss before its coefficient (``model.balance_loss``)."""
+        return balance_loss(cfg, self.counts.sum(0), self.probs.sum(0), float(self.rows))
 
     def load(self) -> tuple[float, float]:
         """The experts' load, most-loaded expert over the mean, per layer: (the worst layer's,

@@ -376,9 +376,10 @@ def aux_loss_grad(cfg: ModelConfig, counts: torch.Tensor, rows: int) -> torch.Te
     return cfg.router_aux_loss_coef * cfg.num_experts * counts / (rows * rows)
 
 
-def aux_loss(cfg: ModelConfig, counts: torch.Tensor, prob_sum: torch.Tensor, rows: int) -> float:
-    """The load-balancing loss's value (``aux_loss_grad``), weighted by its coefficient."""
-    return float(cfg.router_aux_loss_coef * cfg.num_experts * (counts * prob_sum).sum() / (rows * rows))
+def balance_loss(cfg: ModelConfig, counts: torch.Tensor, prob_sum: torch.Tensor, rows: float) -> float:
+    """The load-balancing loss's value before its coefficient, experts x sum_e f_e P_e
+    (``aux_loss_grad``; transformers' ``aux_loss``): 1.0 when the routing is balanced."""
+    return float(cfg.num_experts * (counts * prob_sum).sum() / (rows * rows))
 
 
 def rope_tables(cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32):

@@ -19,8 +19,8 @@ from megaray.hf.read import load_into, read_hf_config  # noqa: E402
 from megaray.layout import bind, build_layout  # noqa: E402
 from megaray.model import (  # noqa: E402
     IGNORE_INDEX,
-    aux_loss,
     aux_loss_grad,
+    balance_loss,
     block_forward,
     embed_forward,
     expert_linear,
@@ -114,14 +114,13 @@ def test_logits_router_loss_and_gradients_equal_transformers(family, tmp_path):
     counts, probs = sum(r.counts for r in routed), sum(r.prob_sum for r in routed)
     rows = sum(r.rows for r in routed)
     assert rows == cfg.num_hidden_layers * inp.numel() and counts.sum() == rows * cfg.num_experts_per_tok
-    assert aux_loss(cfg, counts, probs.detach(), rows) == pytest.approx(
-        cfg.router_aux_loss_coef * float(out.aux_loss), rel=1e-5)
+    aux = cfg.router_aux_loss_coef * balance_loss(cfg, counts, probs.detach(), rows)
+    assert aux == pytest.approx(cfg.router_aux_loss_coef * float(out.aux_loss), rel=1e-5)
 
     # every gradient of (mean cross-entropy + coef x aux); the aux term enters through each
     # layer's probability sums, as the worker feeds it (aux_loss_grad)
     ce_sum, n = head_loss_sum(w[-1], w[0], x.reshape(-1, cfg.hidden_size), tgt.reshape(-1), cfg)
-    torch.testing.assert_close(ce_sum / n + aux_loss(cfg, counts, probs.detach(), rows), out.loss,
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ce_sum / n + aux, out.loss, rtol=1e-5, atol=1e-6)
     out.loss.backward()
     g_aux = aux_loss_grad(cfg, counts, rows)
     grads = torch.autograd.grad([ce_sum / n] + [r.prob_sum for r in routed], flats,

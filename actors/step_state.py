@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megaray.model import Routed, aux_loss_grad, balance_loss
+from megaray.moe import Routed, aux_loss_grad, balance_loss
 from megaray.step import WorkerTimes
 
 from .device import StepClock
@@ -39,7 +39,7 @@ class RouterTally:
     rows: torch.Tensor
     """fp32 scalar: the rows routed, over every layer (the load-balancing loss's R)."""
     grad: torch.Tensor | None = None
-    """The loss's gradient with respect to a layer's summed probabilities (``model.aux_loss_grad``),
+    """The loss's gradient with respect to a layer's summed probabilities (``moe.aux_loss_grad``),
     once the forward is done, where the loss is trained; else None."""
 
     @classmethod
@@ -59,7 +59,7 @@ class RouterTally:
             self.grad = aux_loss_grad(cfg, self.counts.sum(0), float(self.rows))
 
     def loss(self, cfg) -> float:
-        """The step's load-balancing loss before its coefficient (``model.balance_loss``)."""
+        """The step's load-balancing loss before its coefficient (``moe.balance_loss``)."""
         return balance_loss(cfg, self.counts.sum(0), self.probs.sum(0), float(self.rows))
 
     def load(self) -> tuple[float, float]:

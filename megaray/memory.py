@@ -79,7 +79,7 @@ def block_internal_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, mlp_chunk
 
 
 def moe_bytes_per_token(cfg: ModelConfig, s: int) -> int:
-    """What a mixture's MLP (``model.moe_mlp``, plain autograd) saves per token: the norm's input,
+    """What a mixture's MLP (``moe.moe_mlp``, plain autograd) saves per token: the norm's input,
     scale and output; the router's fp32 softmax and its top k (values, int64 indices, and the
     renormalised weights); for each of the k rows the token sends to its experts (sorted): the
     gathered input, the gate and up projections, silu(gate), the product, the experts' output

@@ -12,20 +12,13 @@ Design choices:
 - Packed rows may keep each document's attention to itself (``megaray.attention.Packing``,
   ``train.attention`` document): positions restart at every document start, and the mask
   allows a token only its own document's earlier tokens, as a row of one document would see.
-- A mixture of experts differs from the dense block in its MLP alone (``moe_mlp``): a router
-  (softmax over the experts, the top k, renormalised where the model says), and every token's
-  k experts, dropless, run as grouped matrix products over the tokens sorted by expert
-  (``torch._grouped_mm`` where the device has it, else a loop over the experts), their
-  outputs weighted and summed back in expert order, as transformers sums them. What the router
-  did (its assignments and its probabilities) is handed out for the step's load-balancing
-  loss, which spans all of the step's tokens and layers (``aux_loss_grad``).
+- A mixture of experts differs from the dense block in its MLP alone: ``megaray.moe``.
 
 This module imports neither Ray nor CUDA streams.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +28,7 @@ from megaray.config import ModelConfig
 from megaray.fused import fused
 from megaray.layout import UnitLayout
 from megaray.machine import on_cores
+from megaray.moe import moe_mlp
 
 IGNORE_INDEX = -100
 
@@ -280,106 +274,6 @@ def mlp(h: torch.Tensor, w: dict, chunk: int | None = None) -> torch.Tensor:
     if chunk and h.numel() // h.shape[-1] > chunk:
         return _ChunkedMLP.apply(h, wg, wu, wd, chunk)
     return F.linear(_swiglu(F.linear(h, wg), F.linear(h, wu)), wd)
-
-
-@dataclass
-class Routed:
-    """What one mixture-of-experts layer's router did over one call's tokens."""
-    counts: torch.Tensor
-    """[experts] fp32: the tokens each expert received (top-k assignments); no gradient."""
-    prob_sum: torch.Tensor
-    """[experts] fp32: the router's softmax probabilities summed over the tokens; part of the
-    autograd graph when the forward ran under it (the load-balancing loss's gradient enters here)."""
-    rows: int
-    """Tokens routed."""
-
-
-def route(x: torch.Tensor, router: torch.Tensor, cfg: ModelConfig):
-    """The router of ``x`` [N, H]: each token's k experts and their weights (in x's dtype), and
-    the fp32 softmax over all experts. transformers' arithmetic: softmax in fp32, top k, the k
-    probabilities renormalised with ``norm_topk_prob`` (Mixtral's softmax over its top-k logits
-    is these weights)."""
-    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
-    top, idx = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
-    if cfg.norm_topk_prob:
-        top = top / top.sum(dim=-1, keepdim=True)
-    return top.to(x.dtype), idx, probs
-
-
-_GROUPED: dict = {}      # (device type, dtype) -> whether torch._grouped_mm runs there
-
-
-def _grouped_runs(x: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` runs on x's device and dtype (tried once, on tiny inputs:
-    it needs a recent torch, and on CUDA a Hopper GPU and bf16)."""
-    key = (x.device.type, x.dtype)
-    if key not in _GROUPED:
-        ok = hasattr(torch, "_grouped_mm")
-        if ok:
-            try:
-                a = torch.zeros(16, 16, dtype=x.dtype, device=x.device)
-                torch._grouped_mm(a, torch.zeros(2, 16, 16, dtype=x.dtype, device=x.device),
-                                  offs=torch.tensor([8, 16], dtype=torch.int32, device=x.device))
-            except (RuntimeError, NotImplementedError):
-                ok = False
-        _GROUPED[key] = ok
-    return _GROUPED[key]
-
-
-def expert_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, counts: list[int] | None = None):
-    """``x`` [M, in], its rows sorted by expert (expert e's end at ``offs[e]``), through each
-    row's expert of ``w`` [experts, out, in]: [M, out]. One grouped product where the device
-    runs one; else a loop over the experts (``counts``, the rows each, read on the host)."""
-    if _grouped_runs(x):
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    counts = counts if counts is not None else torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
-    parts, a = [], 0
-    for e, n in enumerate(counts):
-        parts.append(F.linear(x[a:a + n], w[e]))
-        a += n
-    return torch.cat(parts)
-
-
-def moe_mlp(h: torch.Tensor, w: dict, cfg: ModelConfig, routed: list | None = None) -> torch.Tensor:
-    """The experts' SwiGLU of ``h`` [B, S, H]: each token through its k experts, weighted by its
-    router, summed. Dropless: an expert takes every token routed to it. Appends a ``Routed``
-    to ``routed`` when given."""
-    b, s, hd = h.shape
-    x = h.reshape(-1, hd)
-    weights, idx, probs = route(x, w["mlp.gate.weight"], cfg)
-    flat = idx.reshape(-1)
-    order = torch.argsort(flat, stable=True)           # rows by expert; within one, by token
-    counts = torch.bincount(flat, minlength=cfg.num_experts)
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    host = None if _grouped_runs(x) else counts.tolist()
-    token = order // cfg.num_experts_per_tok
-    xs = x[token]
-    g = expert_linear(xs, w["mlp.experts.gate_proj"], offs, host)
-    u = expert_linear(xs, w["mlp.experts.up_proj"], offs, host)
-    y = expert_linear(_swiglu(g, u), w["mlp.experts.down_proj"], offs, host)
-    y = y * weights.reshape(-1)[order].unsqueeze(-1)
-    out = torch.zeros_like(x).index_add_(0, token, y)
-    if routed is not None:
-        routed.append(Routed(counts.float(), probs.sum(0), x.shape[0]))
-    return out.view(b, s, hd)
-
-
-def aux_loss_grad(cfg: ModelConfig, counts: torch.Tensor, rows: int) -> torch.Tensor:
-    """The load-balancing loss's gradient with respect to each layer's summed router
-    probabilities (``Routed.prob_sum``), the same for every layer and token.
-
-    The loss (transformers' ``load_balancing_loss_func``, over the step's tokens and every
-    layer): coef x experts x sum_e f_e P_e, with f_e = (assignments to e) / R and
-    P_e = (probabilities of e, summed) / R over R = layers x tokens rows; f carries no
-    gradient, so d loss / d (prob sum of e) = coef x experts x f_e / R. ``counts`` are the
-    assignments summed over the layers; ``rows`` is R."""
-    return cfg.router_aux_loss_coef * cfg.num_experts * counts / (rows * rows)
-
-
-def balance_loss(cfg: ModelConfig, counts: torch.Tensor, prob_sum: torch.Tensor, rows: float) -> float:
-    """The load-balancing loss's value before its coefficient, experts x sum_e f_e P_e
-    (``aux_loss_grad``; transformers' ``aux_loss``): 1.0 when the routing is balanced."""
-    return float(cfg.num_experts * (counts * prob_sum).sum() / (rows * rows))
 
 
 def rope_tables(cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32):

@@ -264,7 +264,7 @@ def test_experts_as_grouped_products_equal_the_loop_on_the_gpu(monkeypatch):
     """A mixture's block on the GPU in bf16: the experts through torch._grouped_mm (where this
     GPU runs it) against the loop over the experts, forward and every gradient, to bf16
     rounding; in fp32 the loop on the GPU against the CPU's to fp32 rounding."""
-    from megaray import model
+    from megaray import moe
     from megaray.config import ModelConfig
     from megaray.layout import bind, build_layout
     from megaray.model import block_forward, init_unit, rope_tables
@@ -277,7 +277,7 @@ def test_experts_as_grouped_products_equal_the_loop_on_the_gpu(monkeypatch):
     dy0 = torch.randn(2, 128, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
 
     def run(device, dtype, grouped: bool | None):
-        monkeypatch.setattr(model, "_GROUPED", {} if grouped is None else {(device, dtype): grouped})
+        monkeypatch.setattr(moe, "_GROUPED", {} if grouped is None else {(device, dtype): grouped})
         flat = base.to(device, dtype).requires_grad_()
         x = x0.to(device, dtype).requires_grad_()
         routed = []
@@ -286,7 +286,7 @@ def test_experts_as_grouped_products_equal_the_loop_on_the_gpu(monkeypatch):
         return [t.float().cpu() for t in (y, gf, gx, routed[0].counts)]
 
     loop = run("cuda", torch.bfloat16, False)
-    if model._grouped_runs(torch.empty(1, device="cuda", dtype=torch.bfloat16)):
+    if moe._grouped_runs(torch.empty(1, device="cuda", dtype=torch.bfloat16)):
         grouped = run("cuda", torch.bfloat16, True)
         assert torch.equal(grouped[3], loop[3])                       # the same routing
         for a, b in zip(grouped[:3], loop[:3]):

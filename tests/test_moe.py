@@ -17,17 +17,8 @@ transformers = pytest.importorskip("transformers")
 from megaray.config import ModelConfig  # noqa: E402
 from megaray.hf.read import load_into, read_hf_config  # noqa: E402
 from megaray.layout import bind, build_layout  # noqa: E402
-from megaray.model import (  # noqa: E402
-    IGNORE_INDEX,
-    aux_loss_grad,
-    balance_loss,
-    block_forward,
-    embed_forward,
-    expert_linear,
-    head_loss_sum,
-    rms_norm,
-    rope_tables,
-)
+from megaray.model import IGNORE_INDEX, block_forward, embed_forward, head_loss_sum, rms_norm, rope_tables  # noqa: E402
+from megaray.moe import aux_loss_grad, balance_loss, expert_linear  # noqa: E402
 
 SMALL = dict(vocab_size=256, hidden_size=32, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.02)

@@ -36,8 +36,9 @@ class RouterTally:
     """[layers, experts] fp32: the tokens each expert received."""
     probs: torch.Tensor
     """[layers, experts] fp32: the routers' probabilities summed over the tokens (detached)."""
-    rows: torch.Tensor
-    """fp32 scalar: the rows routed, over every layer (the load-balancing loss's R)."""
+    rows: float = 0.0
+    """The rows routed, over every layer and every worker (the load-balancing loss's R): known
+    from the shapes on the host, so the step never waits on the device for it."""
     grad: torch.Tensor | None = None
     """The loss's gradient with respect to a layer's summed probabilities (``moe.aux_loss_grad``),
     once the forward is done, where the loss is trained; else None."""
@@ -45,7 +46,7 @@ class RouterTally:
     @classmethod
     def empty(cls, layers: int, experts: int, device) -> RouterTally:
         z = lambda *shape: torch.zeros(shape, dtype=torch.float32, device=device)
-        return cls(z(layers, experts), z(layers, experts), z())
+        return cls(z(layers, experts), z(layers, experts))
 
     def add(self, layer: int, routed: list[Routed]) -> None:
         for r in routed:
@@ -53,14 +54,16 @@ class RouterTally:
             self.probs[layer] += r.prob_sum.detach()
             self.rows += r.rows
 
-    def decide(self, cfg) -> None:
-        """The forward is done (and the tallies summed over the workers): the loss's gradient."""
+    def decide(self, cfg, workers: int) -> None:
+        """The forward is done and the tallies summed over the ``workers`` (each routed as many
+        rows: equal shares of the step's micro-batches): the loss's gradient."""
+        self.rows *= workers
         if cfg.output_router_logits and cfg.router_aux_loss_coef > 0:
-            self.grad = aux_loss_grad(cfg, self.counts.sum(0), float(self.rows))
+            self.grad = aux_loss_grad(cfg, self.counts.sum(0), self.rows)
 
     def loss(self, cfg) -> float:
         """The step's load-balancing loss before its coefficient (``moe.balance_loss``)."""
-        return balance_loss(cfg, self.counts.sum(0), self.probs.sum(0), float(self.rows))
+        return balance_loss(cfg, self.counts.sum(0), self.probs.sum(0), self.rows)
 
     def load(self) -> tuple[float, float]:
         """The experts' load, most-loaded expert over the mean, per layer: (the worst layer's,

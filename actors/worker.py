@@ -205,8 +205,8 @@ class GpuWorker(ForwardOnly):
         if st.router is not None:       # the step's routing, whole: the load-balancing loss's gradient
             with clock.span(-1):
                 if self.group.world > 1:
-                    self.group.sum([st.router.counts, st.router.probs, st.router.rows])
-                st.router.decide(self.mcfg)
+                    self.group.sum([st.router.counts, st.router.probs])
+                st.router.decide(self.mcfg, self.group.world)
         times.forward_s += time.perf_counter() - t0
 
     def _head(self, st: StepState) -> None:

@@ -95,7 +95,9 @@ def moe_mlp(h: torch.Tensor, w: dict, cfg: ModelConfig, routed: list | None = No
     weights, idx, probs = route(x, w["mlp.gate.weight"], cfg)
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)           # rows by expert; within one, by token
-    counts = torch.bincount(flat, minlength=cfg.num_experts)
+    # counted by scatter, not bincount: on CUDA bincount reads its input's maximum on the host
+    counts = torch.zeros(cfg.num_experts, dtype=torch.int64, device=x.device).scatter_add_(0, flat,
+                                                                                          torch.ones_like(flat))
     offs = torch.cumsum(counts, 0).to(torch.int32)
     host = None if _grouped_runs(x) else counts.tolist()
     token = order // cfg.num_experts_per_tok

@@ -13,10 +13,10 @@ from megaray.loader import load_config
 from megaray.step import Batch
 
 
-def _train(workers: int, steps: int = 3, masked: bool = False):
+def _train(workers: int, steps: int = 3, masked: bool = False, extra: tuple = ()):
     cfg = load_config("debug", [f"worker.count={workers}", "worker.device=cpu", "train.grad_accum=4",
                                 "train.micro_batch_size=2", "optim.num_shards=1", "debug.keep_gradients=true",
-                                "optim.grad_slab_mib=0.015625"])
+                                "optim.grad_slab_mib=0.015625", *extra])
     rng = np.random.default_rng(0)
     batches = []
     for _ in range(steps):
@@ -49,6 +49,20 @@ def test_two_workers_equal_one_with_the_whole_batch(ray_cluster, masked):
     for k in w1:
         np.testing.assert_allclose(w2[k], w1[k], rtol=1e-5, atol=1e-6, err_msg=k)
     assert any(not np.array_equal(w1[k], _init(k)) for k in w1)     # it trained
+
+
+def test_two_workers_of_a_mixture_of_experts_equal_one(ray_cluster):
+    """debug_moe with its load-balancing loss trained: the loss spans the whole step's tokens,
+    so two workers (each routing half the micro-batches) sum their routers' tallies before
+    either's backward, and give one worker's gradients and router loss."""
+    one, g1, _, _ = _train(1, steps=2, extra=("model.shape=debug_moe",))
+    two, g2, _, _ = _train(2, steps=2, extra=("model.shape=debug_moe",))
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        assert b["router_loss"] == pytest.approx(a["router_loss"], rel=1e-6)
+        assert b["expert_load_max"] == pytest.approx(a["expert_load_max"], rel=1e-6)
+    for k in g1:
+        np.testing.assert_allclose(g2[k], g1[k], rtol=1e-5, atol=1e-7, err_msg=k)
 
 
 def _init(name):

@@ -31,9 +31,10 @@ import torch
 
 from megaray.adamw import AdamW, update_piece, writes_clipped_gradient
 from megaray.buffers import DTYPES, Handles, RunBuffers
-from megaray.checkpoint import Checkpoint, PartWriter
+from megaray.checkpoint import Checkpoint
 from megaray.clipping import applies_at_once
 from megaray.config import RunConfig
+from megaray.parts import PartWriter
 
 from .calls import actor_guard
 from .metrics import SHARD_GAUGES, RunMetrics

@@ -31,13 +31,14 @@ import torch
 
 from megaray.adamw import AdamW, piece_decay, update_piece
 from megaray.buffers import DTYPES, Handles
-from megaray.checkpoint import Checkpoint, PartWriter
+from megaray.checkpoint import Checkpoint
 from megaray.clipping import applies_at_once
 from megaray.config import RunConfig
 from megaray.hf.read import load_into
 from megaray.layout import cut_pieces
 from megaray.lr_schedule import lr_at
 from megaray.model import init_params
+from megaray.parts import PartWriter
 
 from .device import Device
 

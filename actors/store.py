@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 
 from megaray.buffers import Handles, RunBuffers
-from megaray.checkpoint import Checkpoint, PartWriter
+from megaray.checkpoint import Checkpoint
 from megaray.config import RunConfig
 from megaray.errors import CheckpointError
 from megaray.hf.read import load_into
 from megaray.layout import build_layout
 from megaray.machine import on_cores
 from megaray.model import init_params
+from megaray.parts import PartWriter
 from megaray.shm import ShmFile, file_name, remove_run
 
 

@@ -45,71 +45,10 @@ import torch
 from megaray.errors import CheckpointError, ConfigError
 from megaray.layout import DTYPES
 from megaray.leftovers import pid_alive
+from megaray.parts import BLOCK, as_bytes, write_json
 
 FORMAT = 2
 MANIFEST = "manifest.json"
-BLOCK = 16 * 2**20          # bytes per CRC32 block of a part
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    """A contiguous CPU tensor's bytes (any dtype, bf16 included)."""
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-
-
-class PartWriter:
-    """Writes one part sequentially, with a CRC32 per BLOCK bytes; ``finish`` fsyncs it and
-    returns its manifest entry. As a context manager, a part left unfinished (an exception,
-    or no ``finish``) is closed, never reported as written."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.f = open(self.path, "wb")
-        self.n = 0
-        self.crcs: list[int] = []
-        self._crc = 0
-
-    def write(self, t: torch.Tensor) -> int:
-        """Append a tensor's bytes; returns their byte offset in the part."""
-        at = self.n
-        data = _bytes(t.contiguous())
-        pos = 0
-        while pos < len(data):
-            room = BLOCK - self.n % BLOCK
-            chunk = data[pos:pos + room]
-            self.f.write(chunk)
-            self._crc = zlib.crc32(chunk, self._crc)
-            self.n += len(chunk)
-            pos += len(chunk)
-            if self.n % BLOCK == 0:
-                self.crcs.append(self._crc)
-                self._crc = 0
-        return at
-
-    def finish(self) -> dict:
-        if self.n % BLOCK:
-            self.crcs.append(self._crc)
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        return {"bytes": self.n, "block": BLOCK, "crc32": self.crcs}
-
-    def abort(self) -> None:
-        self.f.close()
-
-    def __enter__(self) -> PartWriter:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if not self.f.closed:
-            self.abort()
-
-
-def write_json(path: Path, obj) -> dict:
-    with PartWriter(path) as w:
-        w.write(torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8))
-        return w.finish()
-
-
 class Checkpoint:
     """A complete checkpoint opened for reading: the manifest parsed, every part's size
     checked; ``read`` verifies each block it uses."""
@@ -200,12 +139,12 @@ class Checkpoint:
                 at = base + (k * (b - a) + lo - a) * size
                 dst = out[lo - start:hi - start]
                 if dst.dtype == dtype and dst.is_contiguous():
-                    self.read(name, at, _bytes(dst))
+                    self.read(name, at, as_bytes(dst))
                     continue
                 step = BLOCK // size                # another dtype: through a small buffer
                 for c in range(0, hi - lo, step):
                     buf = torch.empty(min(step, hi - lo - c), dtype=dtype)
-                    self.read(name, at + c * size, _bytes(buf))
+                    self.read(name, at + c * size, as_bytes(buf))
                     dst[c:c + buf.numel()].copy_(buf)
             covered += hi - lo
         if covered != stop - start:

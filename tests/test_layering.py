@@ -15,7 +15,8 @@ CORE = {"megaray.errors", "megaray.shapes", "megaray.model_config", "megaray.con
         "megaray.layout", "megaray.attention", "megaray.fused", "megaray.moe", "megaray.model",
         "megaray.hf", "megaray.hf.read", "megaray.hf.export", "megaray.leftovers", "megaray.shm", "megaray.protocol",
         "megaray.buffers", "megaray.memory", "megaray.cost", "megaray.machine", "megaray.plan",
-        "megaray.lr_schedule", "megaray.clipping", "megaray.adamw", "megaray.checkpoint", "megaray.corpus",
+        "megaray.lr_schedule", "megaray.clipping", "megaray.adamw", "megaray.parts", "megaray.checkpoint",
+        "megaray.corpus",
         "megaray.dataset", "megaray.tokenizer", "megaray.step"}
 ABOVE_CORE = ("ray", "megaray.actors", "megaray.driver", "megaray.bench", "megaray.pipelines", "megaray.cli")
 

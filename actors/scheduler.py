@@ -33,12 +33,18 @@ import ray
 
 from megaray.buffers import Handles, RunBuffers
 from megaray.config import RunConfig
+from megaray.errors import RunAborted
 from megaray.lr_schedule import lr_at
 from megaray.model import flops_per_step
 from megaray.step import Batch, EvalResult, StepResult
 
 from .calls import failure_of
 from .metrics import MOE_GAUGES, STEP_COUNTERS, STEP_GAUGES, RunMetrics, node_memory_used_bytes
+
+
+# How long a failed step waits for the failure that aborted it, when only the calls it
+# released have answered: an actor that neither answers nor dies in this long is hung.
+ABORT_REPORT_S = 300.0
 
 
 class Phase(enum.Enum):
@@ -86,18 +92,26 @@ class Scheduler:
             if failed:
                 self._fail()
                 # Report the first cause, not an actor that only stopped because the run was
-                # aborted: when every failure so far is of that kind, give the rest a moment.
-                failures = [failure_of(label, f.exception()) for label, f in failed]
-                if all(_aborted(e) for e in failures):
-                    rest = [f for f in [main_fut] + [f for _, f in seen.values()] if not f.done()]
-                    if rest:
-                        await asyncio.wait(rest, timeout=5.0)
-                    everything = [(main[0], main_fut)] + list(seen.values())
-                    failures = [failure_of(label, f.exception()) for label, f in everything
-                                if f.done() and f.exception() is not None]
-                raise min(failures, key=_aborted)
+                # aborted: the actor that aborted it raises its own failure just after.
+                raise min(await self._first_causes((main[0], main_fut), seen), key=_aborted)
             if main_fut.done():
                 return main_fut.result()
+
+    async def _first_causes(self, main: tuple, seen: dict) -> list:
+        """The failures among ``main`` and ``seen`` (label and future each), once one is a
+        first cause (not ``aborted``) or every call has ended. The aborting actor's own reply can come after
+        the calls it released, late on a loaded machine: wait for it by condition, with a
+        deadline (ABORT_REPORT_S) only for an actor that hangs."""
+        everything = [main] + list(seen.values())
+        deadline = time.monotonic() + ABORT_REPORT_S
+        while True:
+            failures = [failure_of(label, f.exception()) for label, f in everything
+                        if f.done() and f.exception() is not None]
+            rest = [f for _, f in everything if not f.done()]
+            left = deadline - time.monotonic()
+            if not rest or left <= 0 or not all(_aborted(e) for e in failures):
+                return failures
+            await asyncio.wait(rest, timeout=left, return_when=asyncio.FIRST_COMPLETED)
 
     def _fail(self) -> None:
         self.phase = Phase.FAILED
@@ -204,5 +218,6 @@ class Scheduler:
 
 
 def _aborted(e) -> bool:
-    """Whether a failure only followed another's abort of the run (a first cause sorts first)."""
-    return getattr(e, "aborted", False)
+    """Whether a failure only followed another's abort of the run (a first cause sorts first):
+    an actor's ``aborted`` failure, or a bare RunAborted from a caller without actor_guard."""
+    return isinstance(e, RunAborted) or getattr(e, "aborted", False)

@@ -386,7 +386,9 @@ def test_a_run_that_does_not_exit_is_shown_and_killed_with_its_ray(tmp_path, tra
     with pytest.raises(AssertionError, match="did not exit within 1 s") as failed:
         finish(proc, timeout=1)
     assert "Thread 0x" in str(failed.value) and "megaray" in str(failed.value)   # faulthandler's dump
-    time.sleep(1)
+    deadline = time.monotonic() + 60                                 # SIGKILLed: gone once reaped
+    while any(_alive(pid) for pid in tree) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert [pid for pid in tree if _alive(pid)] == []
     assert shm_files(pid=proc.pid) == []
 

@@ -109,7 +109,7 @@ def test_release_publishes_the_version_before_freeing_the_slab(sides):
     seen = []
 
     def writer():
-        w.ring.put(PIECES[2], 0, lambda dst: seen.append(w.control.version(0)), 5)
+        w.ring.put(PIECES[2], 0, lambda dst: seen.append(w.control.version(0)), 60)
 
     t = threading.Thread(target=writer)
     t.start()
@@ -117,7 +117,7 @@ def test_release_publishes_the_version_before_freeing_the_slab(sides):
     assert not seen                                                 # still waiting for slab 0
     r.ring.take(PIECES[0], 0, 1)
     r.ring.release(PIECES[0], 0)
-    t.join(5)
+    t.join(60)
     assert seen == [1]
 
 
@@ -162,6 +162,6 @@ def test_abort_releases_every_waiter(sides):
     t0 = time.perf_counter()
     w.control.abort()
     for t in threads:
-        t.join(5)
-    assert len(errors) == 3 and time.perf_counter() - t0 < 2
+        t.join(120)
+    assert len(errors) == 3 and time.perf_counter() - t0 < 30     # released, not timed out (60 s)
     assert all("run aborted while waiting for" in e for e in errors)

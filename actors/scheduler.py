@@ -41,7 +41,6 @@ from megaray.step import Batch, EvalResult, StepResult
 from .calls import failure_of
 from .metrics import MOE_GAUGES, STEP_COUNTERS, STEP_GAUGES, RunMetrics, node_memory_used_bytes
 
-
 # How long a failed step waits for the failure that aborted it, when only the calls it
 # released have answered: an actor that neither answers nor dies in this long is hung.
 ABORT_REPORT_S = 300.0

@@ -268,6 +268,39 @@ def checkpoint_folder(cfg, run_id: str) -> Path:
     return base / (cfg.run.name if cfg.checkpoint.resume == "auto" else run_id)
 
 
+def first_to_resume(cfg) -> Checkpoint | None:
+    """The checkpoint a run of ``cfg`` tries first (``checkpoint.resume``: 'auto' takes its
+    folder's newest), opened without Ray or a lock; None where there is none, or where it does
+    not open (loading reports that, and falls back)."""
+    how = cfg.checkpoint.resume
+    if how is None:
+        return None
+    paths = complete_checkpoints(checkpoint_folder(cfg, "")) if how == "auto" else [Path(how)]
+    try:
+        return Checkpoint(paths[0]) if paths else None
+    except (CheckpointError, OSError):
+        return None
+
+
+def check_resume(cfg, ck: Checkpoint) -> str | None:
+    """Refuse to resume ``ck`` (ConfigError) where ``cfg`` cannot continue it: train.steps below
+    its step, or moments it would round to a narrower dtype (unless checkpoint.narrow_moments).
+    Returns the conversion resuming makes, as a line for the log, or None."""
+    o = cfg.optim
+    if ck.step > cfg.train.steps:
+        raise ConfigError("train.steps", f"{cfg.train.steps} is below the step of {ck.path} ({ck.step}); "
+                                         "raise train.steps to continue that run")
+    stored = ck.manifest.get("moment_dtype", "float32")
+    if stored == o.moment_dtype:
+        return None
+    if o.moment_dtype != "float32" and not cfg.checkpoint.narrow_moments:
+        raise ConfigError("optim.moment_dtype", f"{ck.path} holds the AdamW moments in {stored}; this run keeps "
+                          f"them in {o.moment_dtype}, which rounds them for good. Set optim.moment_dtype: {stored} to "
+                          "keep them, or checkpoint.narrow_moments: true to resume rounded")
+    return (f"the AdamW moments of {ck.path} are {stored}: converted to {o.moment_dtype} (optim.moment_dtype)"
+            + (", rounded (checkpoint.narrow_moments)" if o.moment_dtype != "float32" else ", exactly"))
+
+
 class Checkpointer:
     """Writes, finds and loads one run's checkpoints, in one folder that belongs to one lineage.
 
@@ -436,9 +469,9 @@ class Checkpointer:
             raise CheckpointError(f"{path} holds a different model than model: in this config "
                                   f"({', '.join(f'model.{k}' for k in diff[:4])} differ)")
         trainer = ck.read_json("trainer.json")
-        if ck.step > self.cfg.train.steps:      # not a damaged checkpoint: no falling back past it
-            raise ConfigError("train.steps", f"{self.cfg.train.steps} is below the step of {path} ({ck.step}); "
-                                             "raise train.steps to continue that run")
+        converted = check_resume(self.cfg, ck)   # a refusal is not damage: no falling back past it
+        if converted:
+            self.log.warning("%s", converted)
         session.load(str(path), trainer["counters"])
         size = sum(p["bytes"] for p in ck.parts.values())
         dt = time.perf_counter() - t0

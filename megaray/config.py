@@ -379,7 +379,11 @@ class CheckpointConfig:
     'start_over' (train from the initial weights in the same folder, replacing them as the run
     reaches their steps)."""
     on_sigterm: bool = True
-    """On SIGTERM (``ray job stop``) write a checkpoint after the current step, then exit."""
+    """On SIGTERM (``ray job stop``) or a first Ctrl-C, write a checkpoint after the current
+    step, then exit (a second Ctrl-C quits at once, without it)."""
+    narrow_moments: bool = False
+    """Resume a checkpoint whose AdamW moments are stored wider than optim.moment_dtype keeps
+    them (fp32 into bf16), rounding them; false refuses such a resume, naming both dtypes."""
     max_restarts: int = 2
     """Times a run restarts its actors from the last checkpoint after an actor dies."""
 

@@ -35,6 +35,11 @@ class PlanError(MegarayError):
     the whole memory plan with the shortfall. Raised before anything is allocated."""
 
 
+class ClusterError(MegarayError):
+    """Ray could not be started or reached (``cluster.address``, ``RAY_ADDRESS``, or the local
+    cluster megaray starts); the message says which and what Ray answered."""
+
+
 class ModelFileError(MegarayError, ValueError):
     """A model directory's weight files are missing, truncated, corrupt or do not match its
     config.json; the message names the file (and tensor)."""
@@ -70,7 +75,17 @@ class TrainingDiverged(MegarayError, RuntimeError):
 
 
 class RunStopped(MegarayError):
-    """The run was stopped by a signal (SIGTERM, ``ray job stop``) after a clean shutdown."""
+    """The run was stopped by a signal (SIGTERM from ``ray job stop``, or Ctrl-C) after the
+    step it was in, with a checkpoint (``checkpoint.on_sigterm``), and shut down cleanly.
+    ``signum`` is the signal's number (the command exits 128 + signum); ``checkpoint`` the
+    checkpoint written at the stop, or None."""
+
+    def __init__(self, message: str, signum: int, checkpoint: str | None = None):
+        self.signum, self.checkpoint = signum, checkpoint
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.signum, self.checkpoint))
 
 
 class RunAborted(MegarayError, RuntimeError):

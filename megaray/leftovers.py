@@ -21,6 +21,15 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` of this host started (clock ticks since boot, /proc's field 22),
+    which tells it from a later process given the same id; None where it does not exist."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def remove_dead_tmp(path: str | os.PathLike) -> list[Path]:
     """Delete the ``<path>.tmp-<pid>`` folders beside ``path`` whose writer is dead: what a
     killed ``megaray export`` or ``megaray prepare`` left. A live writer's folder stays."""

@@ -15,6 +15,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from megaray.errors import ConfigError
+
 RAY_KILL_THRESHOLD = 0.95        # Ray's default RAY_memory_usage_threshold
 
 
@@ -105,7 +107,11 @@ class Machine:
         if fraction is not None:        # what Ray's memory monitor lets the run add
             used, total = ray_memory_view(info)
             host = max(0, min(host, int(fraction * total) - used))
-        st = os.statvfs(shm_dir)
+        try:
+            st = os.statvfs(shm_dir)
+        except OSError as e:
+            raise ConfigError("cluster.shm_dir", f"cannot use {shm_dir} for the run's shared memory: "
+                                                 f"{e.strerror or e}") from None
         gpu = gpu_bytes
         if gpu is None and probe_gpu:
             import torch

@@ -30,10 +30,10 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
 
     try:
         cfg = load_config(a.config, a.overrides)
+        machine, where, speeds = _machine(a, cfg)
     except ConfigError as e:
         print(f"megaray: config error: {e}", file=sys.stderr)
         return 2
-    machine, where, speeds = _machine(a, cfg)
     asked = cfg.optim.resident_units
     cfg = resolve(cfg, machine, speeds)
     pl = plan_for(cfg, machine)

@@ -87,7 +87,7 @@ def _cut_at_4_and_resume(tmp: Path, *opts: str, resume: tuple = ()) -> dict:
 def test_resume_continues_bit_for_bit(reference_run, tmp_path):
     _, ref_losses, ref_ckpt = reference_run
     s = _cut_at_4_and_resume(tmp_path)
-    assert s["first_step"] == 3
+    assert s["first_step"] == 4
     resumed = _losses(s)
     assert sorted(resumed) == [4, 5, 6]
     for step, loss in resumed.items():
@@ -104,7 +104,7 @@ def test_resume_with_other_shards_and_slabs_is_bit_for_bit(reference_run, tmp_pa
     shard) and ends where the uninterrupted run ended, bit for bit."""
     _, ref_losses, ref_ckpt = reference_run
     s = _cut_at_4_and_resume(tmp_path, resume=tuple(changed))
-    assert s["first_step"] == 3
+    assert s["first_step"] == 4
     assert {k: v for k, v in _losses(s).items()} == {k: ref_losses[k] for k in (4, 5, 6)}
     assert _master(Path(s["checkpoint"])) == _master(ref_ckpt)
     m = Checkpoint(s["checkpoint"]).manifest
@@ -121,7 +121,7 @@ def test_each_state_dtype_resumes_bit_for_bit(ray_cluster, tmp_path, opts):
     compute copy written in the same pass) resume exactly as they would have continued."""
     ref = train(_cfg(tmp_path / "ref", "checkpoint.resume=null", *opts))
     s = _cut_at_4_and_resume(tmp_path, *opts)
-    assert s["first_step"] == 3 and _losses(s) == {k: v for k, v in _losses(ref).items() if k >= 4}
+    assert s["first_step"] == 4 and _losses(s) == {k: v for k, v in _losses(ref).items() if k >= 4}
     assert _master(Path(s["checkpoint"])) == _master(Path(ref["checkpoint"]))
     assert "AdamW: the fused C kernel" in (Path(s["run_dir"]) / "train.log").read_text()
 
@@ -138,7 +138,7 @@ def test_a_mixture_of_experts_resumes_bit_for_bit_under_another_cut(ray_cluster,
         return {r["step"]: r for r in map(json.loads, lines)}
 
     got, want = rows(s), rows(ref)
-    assert s["first_step"] == 3
+    assert s["first_step"] == 4
     for step in (4, 5, 6):
         for key in ("loss", "router_loss", "expert_load_max", "expert_load_mean"):
             assert got[step][key] == want[step][key], (step, key)
@@ -161,7 +161,7 @@ def test_bf16_master_and_moments_train_resume_and_export(ray_cluster, tmp_path):
     assert moments == n and os.path.getsize(ck / "optim-0.bin") + os.path.getsize(ck / "optim-1.bin") == 2 * 2 * n
 
     s = _cut_at_4_and_resume(tmp_path, *opts)
-    assert s["first_step"] == 3 and all(_losses(s)[k] == ref_losses[k] for k in (4, 5, 6))
+    assert s["first_step"] == 4 and all(_losses(s)[k] == ref_losses[k] for k in (4, 5, 6))
     assert _master(Path(s["checkpoint"])) == _master(ck)
     with pytest.raises(CheckpointError, match="optim.master_dtype"):
         train(_cfg(tmp_path / "other", f"checkpoint.resume={ck}", "train.compute_dtype=bfloat16"))
@@ -193,6 +193,17 @@ def test_killed_actor_restarts_from_last_checkpoint(reference_run, tmp_path, rol
     log = (Path(s["run_dir"]) / "train.log").read_text()
     assert "restarted the run's actors" in log and "redoing" in log
     assert _master(Path(s["checkpoint"])) == _master(ref_ckpt)   # nothing lost, nothing doubled
+    # steps 3 and 4 ran twice: metrics.jsonl and TensorBoard hold one row a step, the replay's
+    rows = [json.loads(x) for x in (Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert {r["step"]: r["loss"] for r in rows} == ref_losses
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(Path(s["run_dir"]) / "tb"))
+    tb.Reload()
+    points = tb.Scalars("train/loss")
+    assert [p.step for p in points] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([p.value for p in points], [ref_losses[k] for k in range(1, 7)], rtol=1e-6)
     assert shm_files() == []
 
 
@@ -220,12 +231,12 @@ def test_corrupt_or_incomplete_checkpoint_falls_back_to_the_previous(ray_cluster
     data[100] ^= 0xFF
     (newest / "master.bin").write_bytes(bytes(data))
     s = train(_cfg(tmp_path, "train.steps=8"))
-    assert s["first_step"] == 4
+    assert s["first_step"] == 5
     assert "corrupt" in (Path(s["run_dir"]) / "train.log").read_text()
     # a missing part in the newest (step 8): the one before (6, still corrupt), then 4
     (complete_checkpoints(root)[0] / "optim-1.bin").unlink()
     s = train(_cfg(tmp_path, "train.steps=9"))
-    assert s["first_step"] == 4
+    assert s["first_step"] == 5
     log = (Path(s["run_dir"]) / "train.log").read_text()
     assert "step-00000008/optim-1.bin is missing" in log and "step-00000006/master.bin is corrupt" in log
     # an explicit path to a bad checkpoint is refused, naming the part
@@ -257,7 +268,7 @@ def test_every_checkpoint_damaged_is_refused_and_left_as_it_is(ray_cluster, tmp_
     assert {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*")) if f.is_file()
             and f.name != ".lock"} == before
     s = train(_cfg(tmp_path, "train.steps=8", "checkpoint.on_damaged=start_over"))
-    assert s["first_step"] == 0 and s["status"] == "succeeded"
+    assert s["first_step"] == 1 and s["status"] == "succeeded"
     assert shm_files() == []
 
 
@@ -280,7 +291,7 @@ def test_a_checkpoint_being_replaced_is_never_lost(reference_run, tmp_path):
     step6.rename(root / f"{step6.name}.old-{pid}")
     s = train(_cfg(tmp_path, "train.steps=6"))
     assert "put back" in (Path(s["run_dir"]) / "train.log").read_text()
-    assert s["first_step"] == 6 and s["checkpoint"] == str(step6)
+    assert s["first_step"] == 7 and s["checkpoint"] == str(step6)
     assert (step6 / "manifest.json").read_bytes() == manifest          # loaded, not written again
     assert _master(step6) == _master(ref_ckpt)
     assert sorted(p.name for p in root.iterdir()) == [".lock", "lineage.json", step6.name]
@@ -289,7 +300,7 @@ def test_a_checkpoint_being_replaced_is_never_lost(reference_run, tmp_path):
     data[100] ^= 0xFF
     (step6 / "master.bin").write_bytes(bytes(data))
     s = train(_cfg(tmp_path, "train.steps=6", "checkpoint.on_damaged=start_over"))
-    assert s["first_step"] == 0 and _losses(s) == ref_losses
+    assert s["first_step"] == 1 and _losses(s) == ref_losses
     assert _master(step6) == _master(ref_ckpt) and Checkpoint(step6).manifest["run_id"] == s["run_id"]
     assert sorted(p.name for p in root.iterdir()) == [".lock", "lineage.json", step6.name]
 

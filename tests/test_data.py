@@ -235,7 +235,7 @@ def test_resume_continues_with_the_next_samples(ray_cluster, tmp_path):
     cfg = load_config("debug")
     assert trainer["data_position"] == 2 * cfg.train.grad_accum * cfg.train.micro_batch_size
     resumed = train(load_config("debug", base + [f"run.dir={tmp_path / 'b'}", "checkpoint.resume=auto"]))
-    assert resumed["first_step"] == 2
+    assert resumed["first_step"] == 3
     assert losses(first) + losses(resumed) == losses(whole)           # the same rows, bit for bit
     assert whole["data_wait_share"] < 0.5
 

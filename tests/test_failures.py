@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,12 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import finish, shm_files, wait_for_steps
+from conftest import dead_pid, finish, shm_files, wait_for_steps
 
 from megaray.checkpoint import Checkpoint, Checkpointer, complete_checkpoints
 from megaray.dataset import ShardDataset
 from megaray.driver.runner import train
 from megaray.errors import CheckpointError, ConfigError, DataError
+from megaray.leftovers import process_start
 from megaray.loader import load_config
 from megaray.prepare import PrepareOptions, prepare
 
@@ -77,7 +79,7 @@ def test_resuming_from_an_older_checkpoint_of_the_same_folder_is_refused(ray_clu
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     # from a folder of its own, it goes on from step 2
     s = train(_cfg(tmp_path, f"checkpoint.resume={folder / 'step-00000002'}"))
-    assert s["first_step"] == 2 and Path(s["checkpoint"]).parent.name == s["run_id"] and _tree(folder) == before
+    assert s["first_step"] == 3 and Path(s["checkpoint"]).parent.name == s["run_id"] and _tree(folder) == before
 
 
 def test_a_fresh_run_never_writes_into_another_runs_checkpoint_folder(ray_cluster, tmp_path):
@@ -96,7 +98,7 @@ def test_a_fresh_run_never_writes_into_another_runs_checkpoint_folder(ray_cluste
             train(_cfg(tmp_path, f"checkpoint.dir={folder}", f"checkpoint.resume={resume}", "run.seed=7"))
         assert _tree(folder) == before
     s = train(_cfg(tmp_path, f"checkpoint.dir={folder}", "checkpoint.resume=auto", "train.steps=6"))
-    assert s["first_step"] == 4 and Path(s["checkpoint"]).parent == folder
+    assert s["first_step"] == 5 and Path(s["checkpoint"]).parent == folder
     assert shm_files() == []
 
 
@@ -130,7 +132,7 @@ def test_every_part_is_verified_with_fallback(ray_cluster, tmp_path):
     data[data.index(b'"next_step": 4')+13] = ord("3")               # the same size, one digit changed
     (newest / "trainer.json").write_bytes(bytes(data))
     s = train(_cfg(tmp_path, "train.steps=6"))
-    assert s["first_step"] == 2                                   # fell back to step 2
+    assert s["first_step"] == 3                                   # fell back to step 2
     assert "trainer.json is corrupt" in (Path(s["run_dir"]) / "train.log").read_text()
 
 
@@ -162,7 +164,28 @@ def test_resuming_past_train_steps_is_refused(ray_cluster, tmp_path):
     before = _tree(folder)
     with pytest.raises(ConfigError, match="train.steps.*2 is below the step of .*step-00000004"):
         train(_cfg(tmp_path, "run.name=y", "train.steps=2"))
+    p = _cli("train", "debug", *BASE, f"run.dir={tmp_path}", "run.name=y", "train.steps=2")
+    assert p.returncode == 2 and "2 is below the step of" in p.stderr, p.stderr
+    assert "Started a local Ray" not in p.stderr                       # refused before Ray starts
     assert _tree(folder) == before
+
+
+def test_resuming_into_narrower_moments_is_refused_unless_asked_and_logged(ray_cluster, tmp_path):
+    """Issue 47 item 7: fp32 moments resumed as bf16 are refused (they would be rounded for
+    good), resumed with checkpoint.narrow_moments and logged; bf16 into fp32 is logged, exact."""
+    train(_cfg(tmp_path, "run.name=m"))
+    folder = tmp_path / "checkpoints" / "m"
+    before = _tree(folder)
+    with pytest.raises(ConfigError, match="optim.moment_dtype.*float32.*bfloat16.*narrow_moments"):
+        train(_cfg(tmp_path, "run.name=m", "train.steps=6", "optim.moment_dtype=bfloat16"))
+    assert _tree(folder) == before
+    s = train(_cfg(tmp_path, "run.name=m", "train.steps=6", "optim.moment_dtype=bfloat16",
+                   "checkpoint.narrow_moments=true"))
+    log = (Path(s["run_dir"]) / "train.log").read_text()
+    assert "converted to bfloat16 (optim.moment_dtype), rounded" in log and s["first_step"] == 5
+    s = train(_cfg(tmp_path, "run.name=m", "train.steps=8"))
+    log = (Path(s["run_dir"]) / "train.log").read_text()
+    assert "are bfloat16: converted to float32 (optim.moment_dtype), exactly" in log
 
 
 # 8 -------------------------------------------------------------------------------------------
@@ -246,9 +269,9 @@ def test_the_bad_row_hint_names_the_flag(ray_cluster, tmp_path):
 
 
 # 10 ------------------------------------------------------------------------------------------
-def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "megaray.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+                          timeout=timeout, env=dict(os.environ, RAY_AUTH_MODE="disabled", **(env or {})))
 
 
 def test_plan_on_the_cpu_counts_what_train_counts():
@@ -288,12 +311,91 @@ def test_ctrl_c_twice_still_cleans_up(tmp_path, train_cli):
     wait_for_steps(proc, lambda: list(tmp_path.glob("debug-*/train.log")), 3)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.3)
-    proc.send_signal(signal.SIGINT)                               # impatient: again, during the cleanup
+    proc.send_signal(signal.SIGINT)       # impatient: again, during the step, the save or the cleanup
     out = finish(proc)
     assert proc.returncode == 130, out
     assert shm_files(pid=proc.pid) == []
     (summary,) = [json.loads(p.read_text()) for p in tmp_path.glob("debug-*/summary.json")]
-    assert summary["status"] == "failed" and "KeyboardInterrupt" in summary["error"]
+    assert summary["status"] in ("interrupted", "stopped"), summary   # stopped: the save came first
+
+
+def test_ctrl_c_saves_and_prints_the_command_that_resumes(ray_cluster, tmp_path, train_cli):
+    """Issue 47 item 3: one Ctrl-C ends the step, writes a checkpoint and exits 130 with the
+    exact command that goes on; that command resumes from the checkpoint (the demo-like
+    resume: null, whose checkpoints sit in a folder of the run's own)."""
+    proc = train_cli("train.steps=100000", "checkpoint.resume=null")
+    wait_for_steps(proc, lambda: list(tmp_path.glob("debug-*/train.log")), 3)
+    proc.send_signal(signal.SIGINT)
+    out = finish(proc)
+    assert proc.returncode == 130, out
+    (summary,) = [json.loads(p.read_text()) for p in tmp_path.glob("debug-*/summary.json")]
+    stopped = summary["stopped_at_step"]
+    assert summary["status"] == "stopped" and summary["stopped_by"] == "Ctrl-C (SIGINT)" and stopped >= 3
+    assert Checkpoint(summary["checkpoint"]).step == stopped and shm_files(pid=proc.pid) == []
+    command = out.split("resume with:\n", 1)[1].splitlines()[0].split()
+    assert command[:3] == ["python", "-m", "megaray.pipelines.train"]
+    cfg = load_config(command[3], [*command[4:], f"train.steps={stopped + 1}"])
+    s = train(cfg)
+    assert s["first_step"] == stopped + 1 and s["status"] == "succeeded"
+    assert f"resumed from {summary['checkpoint']} (step {stopped})" in (Path(s["run_dir"]) / "train.log").read_text()
+
+
+def test_a_killed_driver_is_marked_killed_by_clean_and_by_the_next_run(ray_cluster, tmp_path, train_cli):
+    """Issue 47 item 4: kill -9 of the driver leaves summary.json at 'running'; `megaray clean
+    --run-dir` marks it killed with its last step and checkpoint, and so does the next run
+    that opens the run folder (here a summary of a driver that is gone, written as a run
+    writes it)."""
+    proc = train_cli("train.steps=100000", "checkpoint.every=2")
+    wait_for_steps(proc, lambda: list(tmp_path.glob("debug-*/train.log")), 4)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    (path,) = tmp_path.glob("debug-*/summary.json")
+    assert json.loads(path.read_text())["status"] == "running"
+    p = _cli("clean", "--run-dir", str(tmp_path), "--shm-dir", str(tmp_path))
+    assert p.returncode == 0 and "marked killed" in p.stdout, p.stdout + p.stderr
+    s = json.loads(path.read_text())
+    rows = (path.parent / "metrics.jsonl").read_text().splitlines()
+    assert s["status"] == "killed" and s["last_step"] == json.loads(rows[-1])["step"] >= 4
+    assert s["last_good_step"] == Checkpoint(s["last_good_checkpoint"]).step >= 2
+    again = _cli("clean", "--run-dir", str(tmp_path), "--shm-dir", str(tmp_path))
+    assert "marked killed" not in again.stdout                       # once
+    subprocess.run(["pkill", "-9", "-f", f"run.dir={tmp_path}"], capture_output=True)
+
+    gone = tmp_path / "other"
+    (gone / "old-run").mkdir(parents=True)
+    (gone / "old-run" / "summary.json").write_text(json.dumps({
+        "run_id": "old-run", "run_dir": str(gone / "old-run"), "status": "running",
+        "driver": {"host": socket.gethostname(), "pid": dead_pid(), "started": "1"}}))
+    live = {**json.loads((gone / "old-run" / "summary.json").read_text()), "run_id": "live-run",
+            "driver": {"host": socket.gethostname(), "pid": os.getpid(), "started": process_start(os.getpid())}}
+    (gone / "live-run").mkdir()
+    (gone / "live-run" / "summary.json").write_text(json.dumps(live))
+    train(load_config("debug", [*BASE, f"run.dir={gone}", "train.steps=1", "checkpoint.every=0"]))
+    assert json.loads((gone / "old-run" / "summary.json").read_text())["status"] == "killed"
+    assert json.loads((gone / "live-run" / "summary.json").read_text())["status"] == "running"
+
+
+def test_errors_before_ray_are_one_line_with_their_exit_status(tmp_path):
+    """The CLI's last tracebacks (issue 47): a missing shm folder, a GPU asked for on a
+    machine without one, a Ray cluster that cannot be reached; each one line, no traceback."""
+    plan = _cli("plan", "debug", "cluster.shm_dir=/nonexistent")
+    assert plan.returncode == 2 and "config key 'cluster.shm_dir'" in plan.stderr, plan.stderr
+    train_args = ("train", "debug", f"run.dir={tmp_path}", "data.max_bytes=50000", "train.steps=2")
+    if not _has_gpu():
+        gpu = _cli(*train_args, "worker.device=cuda")
+        assert gpu.returncode == 2 and "config key 'worker.device'" in gpu.stderr, gpu.stderr
+        assert "Started a local Ray" not in gpu.stderr                      # refused before Ray starts
+    ray_gone = _cli(*train_args, env={"RAY_ADDRESS": "localhost:notaport"})         # a typo of the address
+    assert ray_gone.returncode == 1, ray_gone.stderr
+    assert "cannot start or reach the Ray cluster at RAY_ADDRESS=localhost:notaport" in ray_gone.stderr
+    for p in (plan, ray_gone):
+        assert "Traceback" not in p.stderr, p.stderr
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def test_a_stop_checkpoint_survives_other_runs_of_the_same_name(ray_cluster, tmp_path, train_cli):

@@ -116,7 +116,7 @@ def test_a_checkpoint_resumes_with_another_placement(all_host_run, tmp_path, bef
     written = Checkpoint(next((tmp_path / "cut").rglob("step-*")))
     assert ("resident.bin" in written.parts) == (before != "host")
     s = train(cfg(tmp_path / "cut", f"optim.resident_units={after}"))
-    assert s["first_step"] == 3
+    assert s["first_step"] == 4
     want = _losses(ref)
     assert _losses(s) == {k: want[k] for k in (4, 5, 6)}
     got, want = _masters(s["checkpoint"]), _masters(ref["checkpoint"])    # from whichever parts hold them

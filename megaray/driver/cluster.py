@@ -2,6 +2,7 @@
 local one from a folder of megaray's own, and the dashboard's address for the log."""
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import ray
 
 from megaray.config import RunConfig
+from megaray.errors import ClusterError
 
 
 def connect_ray(cfg: RunConfig) -> bool:
@@ -19,13 +21,21 @@ def connect_ray(cfg: RunConfig) -> bool:
     if ray.is_initialized():
         return False
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, namespace="megaray", log_to_driver=True)
+    where = (f"the Ray cluster at {address} (cluster.address)" if cfg.cluster.address else
+             f"the Ray cluster at RAY_ADDRESS={address}" if address else "a local Ray")
+    try:
+        if address:
+            ray.init(address=address, namespace="megaray", log_to_driver=True)
+            return True
+        needed = cfg.optim.num_shards * cfg.optim.threads_per_shard + cfg.worker.count * cfg.worker.threads
+        start_local_ray(num_cpus=cfg.cluster.num_cpus or max(needed, os.cpu_count() or 1),
+                        object_store_memory=cfg.cluster.object_store_mb * 2**20, namespace="megaray")
         return True
-    needed = cfg.optim.num_shards * cfg.optim.threads_per_shard + cfg.worker.count * cfg.worker.threads
-    start_local_ray(num_cpus=cfg.cluster.num_cpus or max(needed, os.cpu_count() or 1),
-                    object_store_memory=cfg.cluster.object_store_mb * 2**20, namespace="megaray")
-    return True
+    except Exception as e:          # ray.init raises bare Exception, ConnectionError, RuntimeError...
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ClusterError(f"cannot start or reach {where}: {first}") from None
 
 
 LOCAL_RAY_KILL_THRESHOLD = "0.98"

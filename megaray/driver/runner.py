@@ -13,18 +13,19 @@ actors from the last checkpoint.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megaray.checkpoint import Checkpointer
+from megaray.checkpoint import Checkpointer, check_resume, checkpoint_folder, first_to_resume
 from megaray.config import RunConfig
 from megaray.driver.cluster import dashboard_url
-from megaray.driver.runlog import Progress, RunLog, fmt_time, log
+from megaray.driver.runlog import Progress, RunLog, fmt_time, log, mark_killed_runs
 from megaray.driver.session import TrainingSession, new_run_id
-from megaray.errors import ActorFailure, CheckpointError, RunStopped, TrainingDiverged
+from megaray.errors import ActorFailure, CheckpointError, ConfigError, RunStopped, TrainingDiverged
 
 
 class Evaluator:
@@ -53,22 +54,34 @@ class RestartPolicy:
         return True
 
 
+SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
+
+
 class _StopFlag:
-    """SIGTERM (``ray job stop``) sets a flag; the loop stops after the current step."""
+    """SIGTERM (``ray job stop``) and a first Ctrl-C ask the loop to stop after the current
+    step, with a checkpoint; a second Ctrl-C, or one before the loop starts (``armed``),
+    quits at once as KeyboardInterrupt: no checkpoint, the actors and shared memory still freed."""
 
     def __init__(self):
         self.signal: int | None = None
-        self._old = None
+        self.armed = False
+        self._old: dict = {}
         if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGTERM, self._handle)
+            self._old = {n: signal.signal(n, self._handle) for n in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame):
-        self.signal = signum
-        log.warning("received signal %d: stopping after the current step", signum)
+        if signum == signal.SIGINT and (self.signal is not None or not self.armed):
+            raise KeyboardInterrupt
+        if self.signal is None:
+            self.signal = signum
+            again = " (Ctrl-C again quits at once, without it)" if signum == signal.SIGINT else ""
+            log.warning("%s: stopping after the current step with a checkpoint%s", SIGNAL_NAMES.get(signum, signum),
+                        again)
 
     def restore(self):
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
+        for n, old in self._old.items():
+            signal.signal(n, old)
+        self._old = {}
 
 
 def _cleaning_up(signum, frame) -> None:
@@ -123,6 +136,10 @@ class Trainer:
         cfg = self.cfg
         self.runlog = RunLog(cfg, self.run_id)
         self.summary = self.runlog.summary
+        for k in mark_killed_runs(cfg.run.dir):
+            log.warning("run %s was killed without ending (its driver is gone): marked killed in its summary.json; "
+                        "last step %s, last complete checkpoint %s", k["run_id"], k.get("last_step"),
+                        k.get("last_good_checkpoint", "none"))
         log.info("run directory %s", self.runlog.dir.resolve())
         if "runtime_resources" in str(self.runlog.dir.resolve()):
             log.warning("the run directory is inside this job's temporary working_dir copy, which Ray "
@@ -177,18 +194,18 @@ class Trainer:
             self.evaluator.enabled = False
             log.warning("the data holds no rows out (data.holdout_fraction, or prepare --holdout-fraction): "
                         "no held-out loss is measured")
-        first = self.step
-        s["first_step"] = first
+        s["first_step"] = self.step + 1               # steps count from 1: the first this launch runs
         weights = "read from the master"
         if cfg.host_compute_copy:
             weights = "from a copy in host memory (optim.compute_copy)"
         elif cfg.train.compute_dtype != cfg.optim.master_dtype:
             weights = "cast from the master on the device (optim.compute_copy)"
         log.info("model: %.2fM parameters, %d tokens per step, steps %d..%d; %s weights %s",
-                 cfg.model.num_params() / 1e6, cfg.train.tokens_per_step, self.step, cfg.train.steps,
+                 cfg.model.num_params() / 1e6, cfg.train.tokens_per_step, self.step + 1, cfg.train.steps,
                  cfg.train.compute_dtype, weights)
         self.runlog.progress = Progress(cfg.train.steps, start=self.step)
         self.losses, self.data = [], DataTimes()
+        self.stop.armed = True
         while self.step < cfg.train.steps:
             try:
                 batch, data_wait, data_build = self.session.batch(self.position)
@@ -204,12 +221,21 @@ class Trainer:
             if self.evaluator.due(self.step):
                 self.runlog.tb.add_scalar("eval/loss", self._evaluate(self.step), self.step)
             if self.stop.signal is not None:
-                if cfg.checkpoint.on_sigterm:
-                    self.ckpt.save_final(self.session, self.step, self._trainer_state())
-                s.update(status="stopped", stopped_at_step=self.step)
-                raise RunStopped(f"stopped by signal {self.stop.signal} after step {self.step}")
+                self._stop(self.stop.signal)
             if self.ckpt.due(self.step):
                 self.ckpt.save(self.session, self.step, self._trainer_state())
+
+    def _stop(self, signum: int) -> None:
+        """End the run at a signal: the checkpoint of the step done (unless
+        checkpoint.on_sigterm is off), the summary's ``stopped``, then RunStopped."""
+        saved = None
+        if self.cfg.checkpoint.on_sigterm:
+            saved = str(self.ckpt.save_final(self.session, self.step, self._trainer_state()))
+        by = SIGNAL_NAMES.get(signum, f"signal {signum}")
+        self.summary.update(status="stopped", stopped_at_step=self.step, stopped_by=by)
+        if saved:
+            self.summary["checkpoint"] = saved
+        raise RunStopped(f"stopped by {by} after step {self.step}", signum, saved)
 
     def _trainer_state(self) -> dict:
         return {"consecutive_skipped": self.consecutive, "data_position": self.position}
@@ -230,7 +256,9 @@ class Trainer:
                 raise TrainingDiverged(f"{self.consecutive} consecutive steps with a non-finite loss or gradient "
                                        f"(train.max_skipped_steps={cfg.train.max_skipped_steps}), last at step "
                                        f"{m['step']}")
-        if self.runlog.due(m):
+        logged = self.runlog.due(m)
+        self.runlog.progress.update(m, logged)
+        if logged:
             self.runlog.record(m)
 
     def _recover(self, e: ActorFailure) -> None:
@@ -249,6 +277,8 @@ class Trainer:
         at = self.step
         self.session.close()
         self.resume("auto")
+        self.runlog.rewind(self.step)
+        del self.losses[max(0, self.step - (self.summary["first_step"] - 1)):]     # the replay records them again
         log.warning("%s; restarted the run's actors (%s) from %s; redoing %d steps", e, n,
                     f"the checkpoint of step {self.step}" if self.step else "the initial weights", at - self.step)
         self.summary.setdefault("restarts", []).append({"error": str(e), "at_step": at, "resumed_from": self.step})
@@ -279,7 +309,7 @@ class Trainer:
             "status": "succeeded", "steps": cfg.train.steps,
             "first_loss": self.losses[0] if self.losses else None, "last_loss": sum(tail) / len(tail),
             "heldout_loss": eval_loss, "wall_time_s": wall, "checkpoint": str(final),
-            "tokens_per_second": cfg.train.tokens_per_step * max(1, cfg.train.steps - s["first_step"]) / wall,
+            "tokens_per_second": cfg.train.tokens_per_step * (cfg.train.steps - s["first_step"] + 1) / wall,
             # the driver's wait for batches, and the data actor's work, against the steps' time
             "data_wait_share": d.wait_s / max(d.steps_s, 1e-9), "data_build_share": d.build_s / max(d.steps_s, 1e-9),
             "data_restarts": self.data_restarts,
@@ -308,6 +338,36 @@ class Trainer:
             self.runlog.close()
 
 
+def check_before_start(cfg: RunConfig) -> None:
+    """What refuses a run before Ray or any actor starts (ConfigError): GPUs asked for that a
+    local cluster would not have; the checkpoint it would resume first, where train.steps or
+    optim.moment_dtype cannot continue it."""
+    local = not (cfg.cluster.address or os.environ.get("RAY_ADDRESS")) and cfg.worker.node == "local"
+    if local and cfg.worker.device == "cuda":
+        import torch
+
+        have = torch.cuda.device_count()
+        if have < cfg.worker.count:
+            raise ConfigError("worker.device", f"cuda: the run needs {cfg.worker.count} GPU(s) and this machine "
+                                               f"has {have} (set worker.device: cpu, or cluster.address)")
+    ck = first_to_resume(cfg)
+    if ck is not None:
+        check_resume(cfg, ck)
+
+
+def resume_command(cfg: RunConfig, command: list[str], folder: Path) -> list[str]:
+    """``command`` (the words that ran ``cfg``) made to go on from the checkpoints in
+    ``folder``: ``checkpoint.resume=auto`` and ``checkpoint.dir=`` appended (later overrides
+    win) where the config does not lead there already."""
+    folder = Path(folder).resolve()
+    out = list(command)
+    if cfg.checkpoint.resume != "auto":
+        out.append("checkpoint.resume=auto")
+    if cfg.checkpoint.resume != "auto" or checkpoint_folder(cfg, "").resolve() != folder:
+        out.append(f"checkpoint.dir={folder}")
+    return out
+
+
 def train(cfg: RunConfig, run_id: str | None = None, on_step=None) -> dict:
     """Run a whole training job; returns the summary written to summary.json.
 
@@ -324,8 +384,8 @@ def train(cfg: RunConfig, run_id: str | None = None, on_step=None) -> dict:
             s = t.summary
             s["error"] = f"{type(e).__name__}: {e}"
             if s["status"] == "running":
-                s["status"] = "failed"
-            if s["status"] != "stopped":
+                s["status"] = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+            if s["status"] == "failed":
                 log.error("run failed: %s", s["error"])
             if t.ckpt is not None and t.ckpt.last_good is not None:
                 s["last_good_checkpoint"] = str(t.ckpt.last_good)

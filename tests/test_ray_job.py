@@ -139,7 +139,7 @@ def test_job_trains_and_exports_metrics(head, tmp_path):
     status = _wait(head, "megaray-ok")
     assert status == "SUCCEEDED", _ray("job", "logs", "--address", head["address"], "megaray-ok").stdout[-3000:]
     logs = _ray("job", "logs", "megaray-ok", "--address", head["address"]).stdout
-    assert "step 80/80" in logs and "finished; run directory" in logs
+    assert "step 80/80" in logs and "finished: steps 1..80" in logs
     runs = {k[1] for k in seen}
     assert len(runs) == 1 and next(iter(runs)).startswith("demo-")
     v = {(k[0], k[2]): val for k, val in seen.items()}

@@ -112,10 +112,16 @@ def test_train_cli_runs_demo_in_a_fresh_process(tmp_path):
                         f"run.dir={os.path.relpath(tmp_path, root)}", "cluster.num_cpus=4", "worker.threads=1"],
                        capture_output=True, text=True, env=env, timeout=300, cwd=root)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "finished; run directory" in p.stdout
     assert "step 3/3" in p.stderr
     (run_dir,) = [p for p in tmp_path.iterdir() if p.name.startswith("demo-")]
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "succeeded"
+    s = json.loads((run_dir / "summary.json").read_text())
+    assert s["status"] == "succeeded" and s["first_step"] == 1
+    # the end says where everything is and what goes on from it (the demo starts fresh: its
+    # checkpoints are in a folder of the run's own, which the command to train on names)
+    said = p.stdout
+    assert f"run {s['run_id']} finished: steps 1..3, loss " in said and "tokens/s" in said
+    assert f"final checkpoint {s['checkpoint']}" in said and f"megaray export {s['checkpoint']} OUT_DIR" in said
+    assert f"checkpoint.resume=auto checkpoint.dir={Path(s['checkpoint']).parent} train.steps=N" in said
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["dir"] == str(tmp_path)
 
 

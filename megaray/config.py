@@ -93,10 +93,19 @@ class TrainConfig:
     exist whole (costs one more MLP forward per block)."""
     log_every: int = 1
     """Steps between log lines and TensorBoard points."""
-    eval_every: int = 0
-    """Steps between held-out evaluations (0: only at the end)."""
+    eval_every: int | None = None
+    """Steps between held-out evaluations (0: only at the end). null: ten points over the run
+    (every ``steps // 10`` steps) when it has 20 steps or more, so TensorBoard's eval/loss is a
+    curve; only at the end for a shorter one."""
     eval_batches: int = 4
     """Micro-batches in one evaluation."""
+
+    @property
+    def eval_interval(self) -> int:
+        """``eval_every`` with null resolved: steps between evaluations, 0 for only at the end."""
+        if self.eval_every is not None:
+            return self.eval_every
+        return self.steps // 10 if self.steps >= 20 else 0
     max_skipped_steps: int = 5
     """Consecutive steps with a non-finite loss or gradient after which the run stops."""
     attention: str = "auto"
@@ -116,7 +125,7 @@ class TrainConfig:
                 raise ConfigError(f"train.{key}", f"must be >= 1 (got {getattr(self, key)})")
         if self.max_skipped_steps < 1:
             raise ConfigError("train.max_skipped_steps", "must be >= 1")
-        if self.eval_every < 0:
+        if self.eval_every is not None and self.eval_every < 0:
             raise ConfigError("train.eval_every", f"must be >= 0 (got {self.eval_every})")
         if self.eval_batches < 1:
             raise ConfigError("train.eval_batches", f"must be >= 1 (got {self.eval_batches})")

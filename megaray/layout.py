@@ -220,10 +220,20 @@ def cut_pieces(units, slab_numel: int) -> tuple[Piece, ...]:
     return tuple(out)
 
 
-def assign_pieces(num_pieces: int, num_shards: int, layout: str = "interleaved") -> list[list[int]]:
-    """Split piece indices among shards: piece p to shard p mod N, or contiguous, as-even-as-possible ranges."""
+def assign_pieces(num_pieces: int, num_shards: int, layout: str = "interleaved",
+                  sizes: list[int] | None = None) -> list[list[int]]:
+    """Split piece indices among shards. Interleaved: in the order the gradients arrive, each
+    piece to the shard with the fewest parameters so far (``sizes``, the pieces' numel; the
+    lower index on a tie), so every shard updates about as much, its pieces spread along the
+    step (equal pieces: piece p to shard p mod N). Contiguous: as-even-as-possible ranges."""
     if layout == "interleaved":
-        return [list(range(k, num_pieces, num_shards)) for k in range(num_shards)]
+        sizes = [1] * num_pieces if sizes is None else list(sizes)
+        out, load = [[] for _ in range(num_shards)], [0] * num_shards
+        for p in range(num_pieces):
+            k = min(range(num_shards), key=lambda k: (load[k], len(out[k]), k))
+            out[k].append(p)
+            load[k] += sizes[p]
+        return out
     base, extra = divmod(num_pieces, num_shards)
     out, start = [], 0
     for k in range(num_shards):

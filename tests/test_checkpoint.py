@@ -197,6 +197,9 @@ def test_killed_actor_restarts_from_last_checkpoint(reference_run, tmp_path, rol
     rows = [json.loads(x) for x in (Path(s["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert {r["step"]: r["loss"] for r in rows} == ref_losses
+    internals = [json.loads(x) for x in (Path(s["run_dir"]) / "worker.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in internals] == [1, 2, 3, 4, 5, 6] and "forward_s" in internals[0]
+    assert not any(k.startswith("worker/") for r in rows for k in r)     # the internals apart
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb = EventAccumulator(str(Path(s["run_dir"]) / "tb"))

@@ -97,10 +97,10 @@ def test_offloaded_block_inputs_come_back_bit_for_bit(ray_cluster, tmp_path):
     ref = train(load_config("debug", base + [f"run.dir={tmp_path}/a"]))
     off = train(load_config("debug", base + [f"run.dir={tmp_path}/b", "worker.offload_inputs=2"]))
     assert _losses(off) == _losses(ref)
-    rows = [json.loads(x) for x in (Path(off["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["worker/offloaded_inputs"] == 2
+    rows = [json.loads(x) for x in (Path(off["run_dir"]) / "worker.jsonl").read_text().splitlines()]
+    assert rows[0]["offloaded_inputs"] == 2
     # 2 blocks x 2 micro-batches x [2, 32, 32] fp32
-    assert rows[0]["worker/offload_bytes"] == 2 * 2 * 2 * 32 * 32 * 4
+    assert rows[0]["offload_bytes"] == 2 * 2 * 2 * 32 * 32 * 4
     master = lambda s: (Path(s["checkpoint"]) / "master.bin").read_bytes()  # noqa: E731
     assert master(off) == master(ref)
     chunked = train(load_config("debug", base + [f"run.dir={tmp_path}/c", "worker.offload_inputs=1",
@@ -124,9 +124,9 @@ def test_input_stride_rebuilds_the_unsaved_inputs_bit_for_bit(ray_cluster, tmp_p
     for s, ref in ((runs["three"], runs["ref"]), (runs["two"], runs["kept"])):
         assert _losses(s) == _losses(ref)
         assert master(s) == master(ref)
-    rows = [json.loads(x) for x in (Path(runs["two"]["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["worker/input_stride"] == 2 and rows[0]["worker/kept_blocks"] == 1
+    rows = [json.loads(x) for x in (Path(runs["two"]["run_dir"]) / "worker.jsonl").read_text().splitlines()]
+    assert rows[0]["input_stride"] == 2 and rows[0]["kept_blocks"] == 1
     assert "one recomputed block's input in 2 saved" in (Path(runs["two"]["run_dir"]) / "train.log").read_text()
     # of blocks 0-2, the anchors 0 and 2 go to host memory: 2 x 2 micro-batches x [2, 32, 32] fp32
-    assert rows[0]["worker/offload_bytes"] == 2 * 2 * 2 * 32 * 32 * 4
+    assert rows[0]["offload_bytes"] == 2 * 2 * 2 * 32 * 32 * 4
     assert shm_files() == []

@@ -77,3 +77,19 @@ def test_without_a_terminal_each_logged_step_is_a_log_line(terminal):
     p.update(_row(2), logged=False)
     shown = terminal.getvalue().splitlines()
     assert len(shown) == 1 and "INFO step 1/10 loss 4.9000" in shown[0] and plain.getvalue() == ""
+
+
+def test_the_held_out_loss_is_a_curve_by_default():
+    """Issue 47 item 12: train.eval_every left unset evaluates ten times over a run of 20 steps
+    or more (and once more at its end), only at the end of a shorter one; a set value wins."""
+    from megaray.driver.runner import Evaluator
+    from megaray.loader import load_config
+
+    def due(*overrides):
+        ev = Evaluator(load_config("demo", list(overrides)))
+        return [k for k in range(1, 1001) if ev.due(k)]
+
+    assert due() == [30, 60, 90, 120, 150, 180, 210, 240, 270]                # 300 steps; 300 itself at the end
+    assert due("train.steps=25") == [2 * k for k in range(1, 13)]
+    assert due("train.steps=19") == [] and due("train.steps=300", "train.eval_every=0") == []
+    assert due("train.steps=10", "train.eval_every=4") == [4, 8]

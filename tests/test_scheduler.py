@@ -36,6 +36,9 @@ def test_pieces_by_hand():
     assert [p.index for p in pieces] == list(range(11))
     assert assign_pieces(11, 3) == [[0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8]]
     assert assign_pieces(11, 3, "contiguous") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+    # pieces of unequal sizes (an embedding, then small blocks): balanced by parameters, not count
+    assert assign_pieces(5, 2, sizes=[100, 1, 1, 1, 1]) == [[0], [1, 2, 3, 4]]
+    assert assign_pieces(6, 2, sizes=[8, 2, 2, 2, 2, 2]) == [[0, 5], [1, 2, 3, 4]]
     h = Handles.plan("t", 1, "/tmp", "float32", units, slab_numel=4096, ring_slabs=3)
     assert list(h.unit_pieces(1)) == [2, 3, 4, 5]
     assert h.slab_bytes == 16384 and h.ring_bytes == 3 * 16384

@@ -3,7 +3,9 @@
     <run.dir>/<run id>/
         config.yaml      the resolved config (every default filled in)
         train.log        the log lines
-        metrics.jsonl    one JSON object per logged step
+        metrics.jsonl    one JSON object per logged step: loss, learning rate, norm, speed, memory
+        worker.jsonl     the same steps' worker internals (stage timings, bytes copied, what
+                         it kept on the GPU), for reading a step's time apart
         summary.json     status, first/last loss, held-out loss, wall time, tokens/s, where the
                          checkpoints are (written at the start, rewritten at the end)
         tb/              TensorBoard events: loss, lr, grad norm, tokens/s, step time, config
@@ -26,6 +28,7 @@ from megaray.step import MOE_GAUGES, STEP_GAUGES
 
 log = logging.getLogger("megaray")
 LOG_FORMAT = logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S")
+INTERNAL = "worker/"        # the worker's own timings and choices: worker.jsonl, not metrics.jsonl
 TB_SCALARS = (*STEP_GAUGES, "data_wait_seconds")    # train/<name>: the names of metrics.jsonl and Prometheus
 
 
@@ -135,6 +138,7 @@ class RunLog:
             self.dir.mkdir(parents=True, exist_ok=False)
             (self.dir / "config.yaml").write_text(dump_config(cfg))
             self.metrics = open(self.dir / "metrics.jsonl", "w")
+            self.internals = open(self.dir / "worker.jsonl", "w")
         except OSError as e:
             raise ConfigError("run.dir", f"cannot write the run directory {self.dir}: {e.strerror or e}") from None
         self._handler = self._setup_logging()
@@ -167,8 +171,12 @@ class RunLog:
             for key in MOE_GAUGES:          # a mixture of experts' rows only
                 if key in m:
                     self.tb.add_scalar(f"train/{key}", m[key], m["step"])
-            self.metrics.write(json.dumps(m) + "\n")
+            row = {k: v for k, v in m.items() if not k.startswith(INTERNAL)}
+            self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
+            self.internals.write(json.dumps({"step": m["step"], **{k[len(INTERNAL):]: v for k, v in m.items()
+                                                                    if k.startswith(INTERNAL)}}) + "\n")
+            self.internals.flush()
         except OSError as e:          # a full or vanished run directory: the training goes on
             self.write_errors += 1
             if self.write_errors == 1:
@@ -182,18 +190,23 @@ class RunLog:
         later points are dropped (a new event file that purges from ``step + 1``)."""
         from torch.utils.tensorboard import SummaryWriter
 
-        path = self.dir / "metrics.jsonl"
+        self.metrics = self._cut(self.metrics, self.dir / "metrics.jsonl", step)
+        self.internals = self._cut(self.internals, self.dir / "worker.jsonl", step)
+        self.tb.close()
+        self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=step + 1)
+
+    @staticmethod
+    def _cut(f, path: Path, step: int):
+        """``f`` (``path``, open for writing) reopened with only its rows up to ``step``."""
         try:
-            self.metrics.close()
+            f.close()
             rows = path.read_text().splitlines(keepends=True)
             tmp = path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(r for r in rows if (_row_step(r) or step + 1) <= step))   # cut-short rows too
             os.replace(tmp, path)
-            self.metrics = open(path, "a")
         except OSError as e:
             log.error("cannot rewrite %s for the replayed steps (%s): it may hold them twice", path, e.strerror or e)
-        self.tb.close()
-        self.tb = SummaryWriter(str(self.dir / "tb"), purge_step=step + 1)
+        return open(path, "a")
 
     def write_summary(self) -> None:
         try:
@@ -209,6 +222,7 @@ class RunLog:
         try:
             self.tb.close()
             self.metrics.close()
+            self.internals.close()
         except OSError:
             pass
         self.write_summary()

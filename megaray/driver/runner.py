@@ -29,15 +29,15 @@ from megaray.errors import ActorFailure, CheckpointError, ConfigError, RunStoppe
 
 
 class Evaluator:
-    """The held-out loss, every ``train.eval_every`` steps and at the end (none when the
-    data holds nothing out)."""
+    """The held-out loss, every ``train.eval_every`` steps (``eval_interval``) and at the end
+    (none when the data holds nothing out)."""
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.enabled = True
 
     def due(self, step: int) -> bool:
-        ev = self.cfg.train.eval_every
+        ev = self.cfg.train.eval_interval
         return self.enabled and bool(ev) and step % ev == 0 and step < self.cfg.train.steps
 
 

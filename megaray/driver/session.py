@@ -183,7 +183,8 @@ class TrainingSession:
         log.info("worker(s) ready at %.1f s; starting %d optimizer shards", time.perf_counter() - started,
                  o.num_shards)
         shards = []
-        for k, pieces in enumerate(assign_pieces(len(self.handles.pieces), o.num_shards, o.shard_layout)):
+        sizes = [p.stop - p.start for p in self.handles.pieces]
+        for k, pieces in enumerate(assign_pieces(len(sizes), o.num_shards, o.shard_layout, sizes)):
             role = f"optimizer-{k}"
             shards.append(self._spawn(shard_class(cfg), role, cfg, self.handles, pieces, self.actor_name(role),
                                       num_cpus=o.threads_per_shard))

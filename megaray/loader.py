@@ -155,13 +155,21 @@ def shipped_config(name: str) -> Path:
     return Path(str(resources.files("megaray.configs").joinpath(f"{name}.yaml")))
 
 
+def shipped_names() -> list[str]:
+    """The shipped configs' names (``demo``, ``debug``, ...)."""
+    return sorted(p.name[:-5] for p in resources.files("megaray.configs").iterdir() if p.name.endswith(".yaml"))
+
+
 def load_config(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Read YAML at ``path`` (or a shipped config's name), apply overrides, validate."""
     p = Path(path)
-    if not p.exists() and not str(path).endswith((".yaml", ".yml")):
+    # a shipped config's name, unless a file of that name is here (a folder named "demo" is not one)
+    if not p.is_file() and not str(path).endswith((".yaml", ".yml")) and shipped_config(str(path)).is_file():
         p = shipped_config(str(path))
     if not p.is_file():
-        raise ConfigError("<file>", f"no config file at {path}")
+        what = "a folder, not a config file" if p.is_dir() else "no config file there"
+        raise ConfigError("<file>", f"{path}: {what} (a YAML file, or a shipped config's name: "
+                                    f"{', '.join(shipped_names())})")
     try:
         data = yaml.safe_load(p.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as e:

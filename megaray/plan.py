@@ -80,6 +80,7 @@ class Plan:
     host_private: dict = field(default_factory=dict)
     gpu: dict = field(default_factory=dict)
     keep_blocks: int = 0
+    lean: bool = True               # kept blocks saved lean (False: as plain autograd saves them)
     offload_inputs: int = 0
     input_stride: int = 1           # every how many blocks an input is saved (worker.input_stride)
     gpu_budget: int | None = None   # what the run may use of the machine's GPU (plan_for sets it)
@@ -121,8 +122,9 @@ class Plan:
         out += block("  of which shared memory", self.shm, self.shm_total,
                      f"available {machine.shm_bytes / GiB:.2f} GiB" if machine else None)
         saved = f", {describe_input_stride(self.input_stride)}" if self.input_stride > 1 else ""
-        out += block(f"GPU (keeping {self.keep_blocks} blocks' activations, {self.offload_inputs} blocks' inputs "
-                     f"in host memory{saved})", self.gpu, self.gpu_total)
+        plain = "" if self.lean or not self.keep_blocks else ", as plain autograd saves them"
+        out += block(f"GPU (keeping {self.keep_blocks} blocks' activations{plain}, {self.offload_inputs} blocks' "
+                     f"inputs in host memory{saved})", self.gpu, self.gpu_total)
         if self.gpu_budget is not None:
             out[-len(self.gpu) - 1] += f"  (usable {self.gpu_budget / GiB:.2f} GiB: {_USABLE})"
         return "\n".join(out)
@@ -164,6 +166,7 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
         one_input = memory.StepShape.of(cfg).one_input
         n = memory.anchors(p.offload_inputs, p.input_stride)     # the saved ones among them
         p.host_private[f"offloaded block inputs ({n}, pinned)"] = n * one_input * cfg.worker.count
+    p.lean = lean
     p.gpu = memory.gpu_items(cfg, p.keep_blocks, p.offload_inputs, h.slab_bytes if h.cast_on_device else 0, lean)
     return p
 
@@ -456,6 +459,20 @@ def plan_for(cfg: RunConfig, machine: Machine) -> Plan:
     p = plan(cfg, on_gpu=gpu is not None, offload=offload)
     p.gpu_budget = gpu
     return p
+
+
+def plan_as_run(cfg: RunConfig, machine: Machine) -> Plan:
+    """``plan_for``'s plan with the blocks the worker keeps (``worker.keep_activations``
+    unset: as many as the GPU budget holds, ``memory.keep_choice``) where ``plan_for``
+    counts the fewest that must fit: what ``megaray plan`` shows and predicts the step with."""
+    p = plan_for(cfg, machine)
+    if p.gpu_budget is None or cfg.worker.keep_activations is not None:
+        return p
+    cfg = resolve(cfg, machine)
+    keep, lean = memory.keep_choice(cfg, p.gpu_budget, p.offload_inputs, cast_slab_bytes(cfg))
+    shown = plan(cfg, keep=keep, on_gpu=True, offload=p.offload_inputs, lean=lean)
+    shown.gpu_budget = p.gpu_budget
+    return shown
 
 
 def check(cfg: RunConfig, machine: Machine | None = None) -> Plan:

@@ -103,3 +103,34 @@ def test_plan_reads_as_words_and_ends_with_its_verdict(capsys):
     assert main(["plan", "debug", "--host-gib", "2", "--gpu-gib", "24"]) == 1
     assert capsys.readouterr().out.rstrip().splitlines()[-1] == \
         "DOES NOT FIT a machine of 2 GiB host memory and a 24 GiB GPU"
+
+
+def test_plan_agrees_with_itself_and_says_what_it_assumed(capsys):
+    """Issue 47 item 11: the GPU header and the predicted step name the same kept blocks; a
+    plan for a GPU that is not here says which speeds its step assumes; an option that needs
+    more host memory because of the placement says why."""
+    import re
+
+    assert main(["plan", "qwen14b", "--host-gib", "128", "--gpu-gib", "80"]) == 1
+    out = capsys.readouterr().out
+    header = re.search(r"GPU \(keeping (\d+) blocks' activations", out).group(1)
+    step = re.search(r"predicted step: .*keeping (\d+) blocks' activations", out).group(1)
+    assert header == step and int(header) > 0, out                 # the worker keeps as many as fit
+    assert "assumed for the step: the reference H200's measured bf16 rates" in out and "(--cores)" in out
+    assert main(["plan", "debug", "--host-gib", "64", "--gpu-gib", "24"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"option optim.moment_dtype=bfloat16: needs [\d.]+ KiB more of host memory .*bf16 state is "
+                     r"never resident, so the 3 resident units' state moves to host memory", out), out
+    assert re.search(r"predicted step: [\d.]+ ms", out) and " 0.00 " not in out
+
+
+def test_a_folder_named_like_a_shipped_config_is_not_taken_for_it(tmp_path, monkeypatch, capsys):
+    """`megaray plan demo` in a folder holding a folder named demo (a run.dir, data) plans the
+    shipped demo; a path to a folder is refused as one."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()
+    assert main(["plan", "demo"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("FITS this machine")
+    (tmp_path / "mine").mkdir()
+    assert main(["plan", "mine"]) == 2
+    assert "mine: a folder, not a config file (a YAML file, or a shipped config's name: " in capsys.readouterr().err

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from megaray.errors import DataError
+from megaray.errors import ClusterError, DataError
 from megaray.leftovers import remove_dead_tmp
 from megaray.tokenizer import BadRow, TextTokenizer
 
@@ -397,8 +397,12 @@ def _rss_bytes() -> int:
 
 
 # ---------------------------------------------------------------------------- prepare
-def prepare(inputs: list[str], out: str, opts: PrepareOptions, log=print, num_cpus: int | None = None) -> dict:
-    """Tokenize ``inputs`` into packed shards under ``out`` with Ray tasks; returns the manifest."""
+def prepare(inputs: list[str], out: str, opts: PrepareOptions, log=print, num_cpus: int | None = None,
+            address: str | None = None) -> dict:
+    """Tokenize ``inputs`` into packed shards under ``out`` with Ray tasks; returns the manifest.
+    The tasks run on the Ray this process is connected to, else the cluster at ``address``
+    (``RAY_ADDRESS`` by default: every node must see ``inputs`` and ``out`` at the same
+    paths), else a local Ray of ``num_cpus`` started for them."""
     out_p = Path(out).absolute()        # absolute: the tasks run in another folder
     if out_p.exists():
         raise DataError(f"{out}: already exists; prepare writes a new folder")
@@ -410,7 +414,15 @@ def prepare(inputs: list[str], out: str, opts: PrepareOptions, log=print, num_cp
     tmp = out_p.with_name(out_p.name + f".tmp-{os.getpid()}")
     tmp.mkdir(parents=True)
     started = not ray.is_initialized()
-    if started:
+    address = address or os.environ.get("RAY_ADDRESS")
+    if started and address:
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except Exception as e:           # ray.init raises bare Exception, ConnectionError, ValueError...
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise ClusterError(f"cannot reach the Ray cluster at {address}: {str(e).strip().splitlines()[0]}") from None
+        log(f"prepare: attached to the Ray cluster at {address}")
+    elif started:
         from megaray.driver.cluster import start_local_ray
 
         start_local_ray(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,

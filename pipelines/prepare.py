@@ -1,6 +1,8 @@
 """Prepare entrypoint: ``megaray prepare INPUT [INPUT ...] --out DIR --seq-len N`` tokenizes
 jsonl, parquet or text files (or folders of them) into packed token shards with Ray tasks,
-for ``data.source: shards``. Exit status 2 on bad data (the message names the file and row)."""
+for ``data.source: shards``, on the Ray cluster at ``--address`` or ``RAY_ADDRESS`` where one is
+given, else on a local Ray it starts. Exit status 2 on bad data (the message names the file
+and row), 1 when the cluster cannot be reached."""
 from __future__ import annotations
 
 import sys
@@ -30,9 +32,11 @@ def main(argv: list[str] | None = None, prog: str = "megaray prepare") -> int:
                    help="share of a text file's bytes that may be invalid UTF-8 (replaced and counted); a file "
                         "with more is a bad row")
     p.add_argument("--split-mb", type=float, default=64.0, help="input MB per Ray task")
+    p.add_argument("--address", help="a Ray cluster to run the tasks on (default: RAY_ADDRESS; every node must see "
+                                     "the inputs and --out at the same paths); unset: a local Ray")
     p.add_argument("--num-cpus", type=int, help="CPUs of the local Ray that prepare starts (default: all)")
     a = parse(p, argv)
-    from megaray.errors import DataError
+    from megaray.errors import ClusterError, DataError
     from megaray.prepare import PrepareOptions, prepare
 
     try:
@@ -41,10 +45,13 @@ def main(argv: list[str] | None = None, prog: str = "megaray prepare") -> int:
                               messages_column=a.messages_column, tokenizer=a.tokenizer, on_bad_row=a.on_bad_row,
                               holdout_fraction=a.holdout_fraction, max_undecodable=a.max_undecodable,
                               split_mb=a.split_mb)
-        prepare(a.inputs, a.out, opts, log=lambda s: print(s, flush=True), num_cpus=a.num_cpus)
+        prepare(a.inputs, a.out, opts, log=lambda s: print(s, flush=True), num_cpus=a.num_cpus, address=a.address)
     except DataError as e:
         print(f"megaray: data error: {e}", file=sys.stderr)
         return 2
+    except ClusterError as e:
+        print(f"megaray: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

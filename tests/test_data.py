@@ -329,3 +329,28 @@ def test_the_demo_holds_out_whole_files_from_across_the_corpus():
     assert bytes(c.heldout) == b"".join(files[i] for i in held)
     assert bytes(c.train) == b"".join(f for i, f in enumerate(files) if i not in held)
     assert len(held) >= 2 and held[-1] - held[0] >= len(files) // 2
+
+
+def test_megaray_prepare_runs_its_tasks_on_the_cluster_at_ray_address(ray_cluster, tmp_path):
+    """Issue 47 item 13: `megaray prepare` attaches to RAY_ADDRESS as `megaray train` does (Ray's
+    own line says it connected, none that it started one), and an address it cannot reach is
+    one line."""
+    import subprocess
+    import sys
+
+    import ray
+
+    (tmp_path / "a.txt").write_text("hello megaray\n" * 200)
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    p = subprocess.run([sys.executable, "-m", "megaray.cli", "prepare", str(tmp_path / "a.txt"), "--out",
+                        str(tmp_path / "shards"), "--seq-len", "16"], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"prepare: attached to the Ray cluster at {env['RAY_ADDRESS']}" in p.stdout
+    assert "Connecting to existing Ray cluster" in p.stderr and "Started a local Ray" not in p.stderr
+    assert ShardDataset(str(tmp_path / "shards"), 16, 256, 0).rows_at(0, 1)["tokens"].shape[-1] == 17
+    bad = subprocess.run([sys.executable, "-m", "megaray.cli", "prepare", str(tmp_path / "a.txt"), "--out",
+                          str(tmp_path / "more"), "--seq-len", "16", "--address", "localhost:notaport"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 1 and "cannot reach the Ray cluster at localhost:notaport" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr and not (tmp_path / "more").exists()

@@ -125,6 +125,7 @@ class Trainer:
         self.restarts = RestartPolicy(cfg.checkpoint.max_restarts)
         self.data_restarts = 0
         self.t_start = time.perf_counter()
+        self.t_loop = self.t_start                # when the first step of this launch started
         self.step = 0                            # steps done (the next step's index)
         self.position = 0                        # the data stream's position of the next batch
         self.consecutive = 0                     # non-finite steps in a row
@@ -204,6 +205,7 @@ class Trainer:
                  cfg.model.num_params() / 1e6, cfg.train.tokens_per_step, self.step + 1, cfg.train.steps,
                  cfg.train.compute_dtype, weights)
         self.runlog.progress = Progress(cfg.train.steps, start=self.step)
+        self.t_loop = time.perf_counter()
         self.losses, self.data = [], DataTimes()
         self.stop.armed = True
         while self.step < cfg.train.steps:
@@ -303,13 +305,16 @@ class Trainer:
             eval_loss = self._evaluate(cfg.train.steps)
             self.runlog.tb.add_scalar("eval/loss", eval_loss, cfg.train.steps)
         wall = time.perf_counter() - self.t_start
+        loop = time.perf_counter() - self.t_loop
         tail = self.losses[-min(10, len(self.losses)):] or [float("nan")]
         d = self.data
         s.update({
             "status": "succeeded", "steps": cfg.train.steps,
             "first_loss": self.losses[0] if self.losses else None, "last_loss": sum(tail) / len(tail),
             "heldout_loss": eval_loss, "wall_time_s": wall, "checkpoint": str(final),
-            "tokens_per_second": cfg.train.tokens_per_step * (cfg.train.steps - s["first_step"] + 1) / wall,
+            # over this launch's steps, their checkpoints and evaluations (not the start-up)
+            "tokens_per_second": cfg.train.tokens_per_step * (cfg.train.steps - s["first_step"] + 1) / loop,
+            "train_time_s": loop,
             # the driver's wait for batches, and the data actor's work, against the steps' time
             "data_wait_share": d.wait_s / max(d.steps_s, 1e-9), "data_build_share": d.build_s / max(d.steps_s, 1e-9),
             "data_restarts": self.data_restarts,

@@ -47,7 +47,7 @@ from megaray.errors import ActorFailure, ConfigError, MegarayError
 from megaray.hf.read import verify_source
 from megaray.layout import assign_pieces, build_layout
 from megaray.machine import Machine
-from megaray.plan import check, describe_input_stride, describe_placement, resolve, shard_speeds
+from megaray.plan import check, count, describe_input_stride, describe_placement, resolve, shard_speeds, size
 from megaray.shm import remove_run, remove_stale
 from megaray.step import Batch
 
@@ -156,7 +156,7 @@ class TrainingSession:
         cfg, o = self.cfg, self.cfg.optim
         self._reserve()
         started = time.perf_counter()
-        log.info("starting the parameter store: %.2f B parameters%s", cfg.model.num_params() / 1e9,
+        log.info("starting the parameter store: %s parameters%s", count(cfg.model.num_params()),
                  f" from {cfg.model.from_path}" if cfg.model.from_path else ", initialised here")
         store = self._spawn(ParameterStore, "store", cfg, self.run_id, os.getpid())
         try:
@@ -201,9 +201,9 @@ class TrainingSession:
         self.has_heldout = self._call(self.actors["data"].has_heldout.remote(), "data")
         kernel = self._call(shards[0].kernel.remote(), "optimizer-0")
         log.info("run %s: %d layer units in %d gradient pieces, %d optimizer shards (AdamW: %s), a ring of "
-                 "%d x %g MiB gradient slabs, %d worker(s) on %s; %s (optim.resident_units)", self.run_id,
+                 "%d x %s gradient slabs, %d worker(s) on %s; %s (optim.resident_units)", self.run_id,
                  self.handles.num_units, len(self.handles.pieces), len(shards), kernel, self.handles.ring_slabs,
-                 self.handles.slab_bytes / 2**20, len(workers), self.device,
+                 size(self.handles.slab_bytes), len(workers), self.device,
                  describe_placement(len(self.handles.resident)))
         if cfg.worker.stride > 1:
             log.info("%s", describe_input_stride(cfg.worker.stride))

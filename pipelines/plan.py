@@ -5,6 +5,7 @@ the largest micro-batch and sequence length that fit the GPU. Exit status 1 when
 fit."""
 from __future__ import annotations
 
+import os
 import sys
 
 from .args import parse, parser
@@ -72,15 +73,20 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     if short:
         for fix in remedies(cfg, machine):
             print(f"fits with: {fix}")
-    print(f"DOES NOT FIT {where}" if short else f"FITS {where}")
-    return 1 if short else 0
+    cluster = _cluster_shortfall(cfg)
+    if cluster:
+        print(f"DOES NOT FIT: {cluster}")
+    if short or cluster:
+        print(f"DOES NOT FIT {where}" + (" and its Ray cluster" if cluster and short else "") if short else
+              f"DOES NOT FIT the Ray cluster at {cfg.cluster.address or os.environ['RAY_ADDRESS']}")
+        return 1
+    print(f"FITS {where}")
+    return 0
 
 
 def _machine(a, cfg):
     """The machine planned for (this one, or the one --host-gib/--gpu-gib describe), its
     description, and the speeds the step is predicted with."""
-    import os
-
     from megaray.cost import Speeds
     from megaray.machine import Machine
     from megaray.memory import GiB
@@ -128,6 +134,28 @@ def print_step(cfg, machine, pl, speeds) -> None:
     mb, seq = largest_fit(cfg, machine)
     print(f"largest micro_batch_size at seq_len {cfg.train.seq_len}: {mb}; "
           f"largest seq_len at micro_batch_size {cfg.train.micro_batch_size}: {seq}")
+
+
+def _cluster_shortfall(cfg) -> str | None:
+    """Where the run would attach to a Ray cluster (cluster.address, RAY_ADDRESS): why that
+    cluster cannot hold it, or None (a local Ray is started with what the run needs)."""
+    address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
+    if not address:
+        return None
+    import ray
+
+    from megaray.driver.cluster import bundle_shortfall, run_bundle
+
+    try:
+        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        have = ray.cluster_resources()
+    except Exception as e:          # ray.init raises bare Exception, ConnectionError, ValueError...
+        return f"cannot reach the Ray cluster at {address}: {str(e).strip().splitlines()[0]}"
+    finally:
+        ray.shutdown()
+    device = cfg.worker.device if cfg.worker.device != "auto" else ("cuda" if have.get("GPU", 0) >= 1 else "cpu")
+    why = bundle_shortfall(run_bundle(cfg, device), have)
+    return why
 
 
 def _secs(x: float) -> str:

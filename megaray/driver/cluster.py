@@ -74,3 +74,30 @@ def dashboard_url() -> str:
         return f"http://{url}" if url and not url.startswith("http") else (url or "not running")
     except Exception:
         return "not available"
+
+
+def run_bundle(cfg: RunConfig, device: str) -> dict:
+    """What a run reserves on one node (its placement group's one bundle): a CPU per optimizer
+    thread, and the local workers' threads and GPUs."""
+    o, remote = cfg.optim, cfg.worker.node == "remote"
+    cpus = o.num_shards * o.threads_per_shard + (0 if remote else cfg.worker.count * cfg.worker.threads)
+    bundle = {"CPU": max(cpus, 1)}
+    if device == "cuda" and not remote:
+        bundle["GPU"] = cfg.worker.count
+    return bundle
+
+
+def bundle_shortfall(bundle: dict, have: dict) -> str | None:
+    """Why a cluster offering ``have`` cannot hold ``bundle``, with the fixes; None if it can."""
+    short = {k: (have.get(k, 0), v) for k, v in bundle.items() if have.get(k, 0) < v}
+    if not short:
+        return None
+    said = ", ".join(f"{v} {k} (it offers {h:g})" for k, (h, v) in short.items())
+    fixes = []
+    if "CPU" in short:
+        fixes.append(f"start it with more (ray start --head --num-cpus={bundle['CPU']}: CPUs may outnumber cores)")
+        fixes.append("or ask for fewer (optim.num_shards x optim.threads_per_shard + worker.count x worker.threads "
+                     "CPUs: e.g. optim.num_shards=1 worker.threads=1)")
+    if "GPU" in short:
+        fixes.append("GPUs: worker.count GPUs on one node, or worker.device=cpu")
+    return f"the Ray cluster cannot hold the run on one node: it needs {said}; " + " ".join(fixes)

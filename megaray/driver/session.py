@@ -43,6 +43,7 @@ from megaray.actors.scheduler import Scheduler
 from megaray.actors.store import ParameterStore, read_startup, startup_path
 from megaray.buffers import RunBuffers
 from megaray.config import RunConfig
+from megaray.driver.cluster import bundle_shortfall, run_bundle
 from megaray.errors import ActorFailure, ConfigError, MegarayError
 from megaray.hf.read import verify_source
 from megaray.layout import assign_pieces, build_layout
@@ -239,28 +240,17 @@ class TrainingSession:
             except ray.exceptions.RayError as e:
                 raise ActorFailure(self.actor_name(role[ref]), f"failed to start: {e}") from None
 
-    def _bundle(self) -> dict:
-        cfg, o = self.cfg, self.cfg.optim
-        remote = cfg.worker.node == "remote"
-        cpus = o.num_shards * o.threads_per_shard + (0 if remote else cfg.worker.count * cfg.worker.threads)
-        bundle = {"CPU": max(cpus, 1)}
-        if self.device == "cuda" and not remote:
-            bundle["GPU"] = cfg.worker.count
-        return bundle
-
     def _reserve(self) -> None:
         """One placement group (STRICT_PACK: one node) for every actor that shares memory."""
-        bundle = self._bundle()
+        bundle = run_bundle(self.cfg, self.device)
         have = ray.cluster_resources()
         if not have.get("CPU"):
             alive = sum(1 for nd in ray.nodes() if nd["Alive"])
             raise MegarayError(f"the Ray cluster reports no CPUs ({alive} node(s) alive): its raylet may have died; "
                                "restart Ray (ray stop; ray start --head) and run again")
-        if any(have.get(k, 0) < v for k, v in bundle.items()):
-            raise MegarayError(
-                f"the Ray cluster has {dict((k, have.get(k, 0)) for k in bundle)} but the run needs {bundle} "
-                f"on one node (optim.num_shards x optim.threads_per_shard + worker.count x worker.threads CPUs, "
-                f"worker.count GPUs)")
+        short = bundle_shortfall(bundle, have)
+        if short:
+            raise ConfigError("cluster", short)
         self.pg = placement_group([bundle], strategy="STRICT_PACK", name=self.actor_name("group"))
         try:
             ray.get(self.pg.ready(), timeout=120)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import ray
-import ray.util.state
+import ray._private.state
 from conftest import shm_files
 from ray.cluster_utils import Cluster
 
@@ -16,16 +16,34 @@ from megaray.driver.session import NAMESPACE, TrainingSession
 from megaray.errors import MegarayError
 from megaray.loader import load_config
 
+START_TRIES = 3      # a loaded machine can time a raylet's start out ("Could not read 'dashboard' from GCS")
+
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
-    for _ in range(2):
-        c.add_node(num_cpus=1)
+    """Three raylets, without the dashboard (the tests read the actor table from the GCS);
+    a start that a loaded machine times out is tried again from scratch."""
+    for attempt in range(START_TRIES):
+        c = Cluster()
+        try:
+            c.add_node(num_cpus=2, include_dashboard=False)
+            for _ in range(2):
+                c.add_node(num_cpus=1)
+            c.wait_for_nodes(timeout=300)
+            break
+        except Exception:
+            c.shutdown()
+            if attempt == START_TRIES - 1:
+                raise
     ray.init(address=c.address, namespace=NAMESPACE, log_to_driver=False)
     yield c
     ray.shutdown()
     c.shutdown()
+
+
+def _alive_actors() -> list[dict]:
+    """The cluster's live actors, from the GCS's actor table (no dashboard needed)."""
+    return [a for a in ray._private.state.actors().values() if a["State"] == "ALIVE"]
 
 
 def _run(placement: str, workers: int = 1, extra: tuple = ()):
@@ -39,7 +57,7 @@ def _run(placement: str, workers: int = 1, extra: tuple = ()):
         where = {}
         for role, a in s.actors.items():
             if role.startswith(("worker", "store", "relay")):
-                where[role] = ray.util.state.get_actor(a._actor_id.hex()).node_id
+                where[role] = ray._private.state.actors(a._actor_id.hex())["Address"]["NodeID"]
         weights = s.state_dict()
         run_id = s.run_id
     assert shm_files(run_id) == []
@@ -86,5 +104,4 @@ def test_remote_placement_needs_another_node(cluster):
             session.start()
     finally:
         session.close()             # (a no-op after the refusal, which already closed it)
-    assert not [a for a in ray.util.state.list_actors(filters=[("state", "=", "ALIVE")])
-                if (a.name or "").startswith("megaray:")]
+    assert not [a for a in _alive_actors() if (a.get("Name") or "").startswith("megaray:")]

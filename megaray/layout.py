@@ -124,6 +124,12 @@ def _mlp_entries(cfg: ModelConfig, p: str) -> list[tuple]:
     return out
 
 
+# a block's two RMSNorm scales by model.norm_placement: before attention and the MLP (Llama),
+# or on their outputs (OLMo 2), in Hugging Face's names
+BLOCK_NORMS = {"pre": ("input_layernorm.weight", "post_attention_layernorm.weight"),
+               "post": ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")}
+
+
 def build_layout(cfg: ModelConfig) -> list[UnitLayout]:
     """Every unit's layout, in forward order (memoized: the planner asks for it often)."""
     key = json.dumps(dataclasses.asdict(cfg), sort_keys=True, default=str)
@@ -149,8 +155,7 @@ def _layout(cfg: ModelConfig) -> tuple[UnitLayout, ...]:
             (p + "self_attn.v_proj.weight", (kv, h)),
             (p + "self_attn.o_proj.weight", (h, q)),
             *_mlp_entries(cfg, p),
-            (p + "input_layernorm.weight", (h,)),
-            (p + "post_attention_layernorm.weight", (h,)),
+            *[(p + name, (h,)) for name in BLOCK_NORMS[cfg.norm_placement]],
         ]
         if cfg.attention_bias:
             e += [(p + "self_attn.q_proj.bias", (q,)), (p + "self_attn.k_proj.bias", (kv,)),

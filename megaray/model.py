@@ -316,7 +316,8 @@ def embed_forward(w: dict, tokens: torch.Tensor, padding_idx: int | None = None)
 
 def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig, mlp_chunk: int | None = None,
                   lean: bool = True, pk: Packing | None = None, routed: list | None = None) -> torch.Tensor:
-    """One decoder block: x + attn(norm(x)), then + mlp(norm(.)). x: [B, S, H]. With ``pk``
+    """One decoder block: x + attn(norm(x)), then + mlp(norm(.)); with ``model.norm_placement``
+    post (OLMo 2) x + norm(attn(x)), then + norm(mlp(.)). x: [B, S, H]. With ``pk``
     (document attention) RoPE takes each token's position in its document and attention
     stays inside each document. A mixture of experts' MLP is ``moe_mlp`` (``routed`` collects
     what its router did; ``mlp_chunk`` and ``lean`` concern the dense MLP only).
@@ -334,9 +335,12 @@ def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig, mlp_c
         cos, sin = rope[0][pk.pos].unsqueeze(1), rope[1][pk.pos].unsqueeze(1)
     eps = cfg.rms_norm_eps
     lean = lean and torch.is_grad_enabled()
+    post = cfg.norm_placement == "post"           # OLMo 2: the norms on attention's and the MLP's outputs
     wqkv = [w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"), w["self_attn.k_proj.weight"],
             w.get("self_attn.k_proj.bias"), w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias")]
-    if lean:
+    if post:
+        q, k, v = (F.linear(x, wqkv[j], wqkv[j + 1]) for j in (0, 2, 4))
+    elif lean:
         q, k, v = _NormLinears.apply(x, w["input_layernorm.weight"], eps, *wqkv)
     else:
         h = rms_norm(x, w["input_layernorm.weight"], eps)
@@ -354,7 +358,11 @@ def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig, mlp_c
     v = v.view(b, s, nkv, hd).transpose(1, 2)
     a = attention(q, k, v, nh, nkv, pk)
     a = a.transpose(1, 2).reshape(b, s, nh * hd)
-    x = x + F.linear(a, w["self_attn.o_proj.weight"])
+    o = F.linear(a, w["self_attn.o_proj.weight"])
+    if post:
+        x = x + rms_norm(o, w["post_attention_layernorm.weight"], eps)
+        return x + rms_norm(mlp(x, w, mlp_chunk), w["post_feedforward_layernorm.weight"], eps)
+    x = x + o
     wn = w["post_attention_layernorm.weight"]
     if cfg.moe:
         return x + moe_mlp(rms_norm(x, wn, eps), w, cfg, routed)

@@ -54,6 +54,11 @@ class ModelConfig:
     qk_norm_scope: str = "head"
     """What a q/k norm normalises: 'head' (each head's head_dim values: Qwen3, Qwen3-MoE) or
     'projection' (the whole q and k projections, with weights of their widths: OLMoE)."""
+    norm_placement: str = "pre"
+    """Where a block's two RMSNorms stand: 'pre' (Llama: before attention, ``input_layernorm``,
+    and before the MLP, ``post_attention_layernorm``) or 'post' (OLMo 2: on attention's output,
+    ``post_attention_layernorm``, and on the MLP's, ``post_feedforward_layernorm``, each
+    before its residual add; nothing normalises a block's input)."""
     num_experts: int = 0
     """Experts of every block's mixture-of-experts MLP; 0: a dense SwiGLU MLP (config.json's
     num_experts, or num_local_experts for Mixtral)."""
@@ -108,6 +113,13 @@ class ModelConfig:
                                                     f"(got {self.pad_token_id})")
         if self.qk_norm_scope not in ("head", "projection"):
             raise ConfigError("model.qk_norm_scope", f"must be head or projection (got {self.qk_norm_scope!r})")
+        if self.norm_placement not in ("pre", "post"):
+            raise ConfigError("model.norm_placement", f"must be pre or post (got {self.norm_placement!r})")
+        if self.norm_placement == "post" and (self.num_experts or not self.qk_norm
+                                              or self.qk_norm_scope != "projection" or self.attention_bias):
+            raise ConfigError("model.norm_placement", "post norms are OLMo 2's, a dense family with q/k norms over "
+                                                      "the whole projections (qk_norm: true, qk_norm_scope: "
+                                                      "projection) and no biases")
         if self.num_experts < 0:
             raise ConfigError("model.num_experts", f"must be >= 0 (got {self.num_experts})")
         if self.num_experts:

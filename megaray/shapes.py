@@ -67,6 +67,12 @@ SHAPES: dict[str, dict] = {
     # Qwen3-30B-A3B: 30.5B parameters, 3.3B active
     "qwen3moe30b": moe_shape(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, experts=128, top_k=8,
                              expert_width=768, vocab=151936, max_pos=40960, norm_topk=True, qk_norm="head"),
+    # OLMo-2-1124-13B: 13.7B parameters; norms on attention's and the MLP's outputs, q/k norms
+    # over the whole projections
+    "olmo2_13b": {**llama_shape(hidden=5120, layers=40, heads=40, kv_heads=40, intermediate=13824, vocab=100352,
+                                tied=False, max_pos=4096, llama3_rope=False),
+                  "rms_norm_eps": 1e-6, "qk_norm": True, "qk_norm_scope": "projection", "norm_placement": "post",
+                  "architecture": "Olmo2ForCausalLM"},
     # Mixtral-8x7B: 46.7B parameters, 12.9B active
     "mixtral8x7b": moe_shape(hidden=4096, layers=32, heads=32, kv_heads=8, experts=8, top_k=2, expert_width=14336,
                              vocab=32000, norm_topk=True, eps=1e-5, arch="MixtralForCausalLM"),

@@ -3,7 +3,7 @@
 ``megaray.hf.read`` turns a model directory (config.json and safetensors) into a model config
 and master weights; ``megaray.hf.export`` writes a checkpoint back as a model directory that
 transformers loads. Supported architectures: LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM and Qwen3ForCausalLM, and the mixtures of experts Qwen3MoeForCausalLM,
+Qwen2ForCausalLM, Qwen3ForCausalLM and Olmo2ForCausalLM, and the mixtures of experts Qwen3MoeForCausalLM,
 MixtralForCausalLM and OlmoeForCausalLM, whose parameter names are megaray's own
 (``megaray.layout`` uses Hugging Face's names, each expert's matrices as the Hub stores them),
 so both directions copy tensor by tensor.
@@ -15,6 +15,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Olmo2ForCausalLM": "olmo2",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",

@@ -23,7 +23,8 @@ from megaray.leftovers import remove_dead_tmp
 
 def hf_config_dict(model, architecture: str | None, source: dict | None = None) -> dict:
     """A transformers config.json for ``model`` (a ModelConfig)."""
-    arch = architecture or ("Qwen3ForCausalLM" if model.qk_norm else
+    arch = architecture or ("Olmo2ForCausalLM" if model.norm_placement == "post" else
+                            "Qwen3ForCausalLM" if model.qk_norm else
                             "Qwen2ForCausalLM" if model.attention_bias else "LlamaForCausalLM")
     out = dict(source or {})
     out.update({
@@ -41,7 +42,7 @@ def hf_config_dict(model, architecture: str | None, source: dict | None = None) 
     out.pop("rope_parameters", None)
     out.pop("dtype", None)
     kind = ARCHITECTURES[arch]
-    if kind in ("llama", "qwen3", "qwen3_moe", "olmoe"):
+    if kind in ("llama", "qwen3", "qwen3_moe", "olmoe", "olmo2"):
         out["attention_bias"] = model.attention_bias
     if kind in ("mistral", "mixtral"):
         out["sliding_window"] = model.sliding_window

@@ -56,6 +56,8 @@ def read_hf_config(path: str | os.PathLike) -> dict:
         refuse("use_sliding_window", "attention is full causal attention")
     if c.get("pretraining_tp", 1) not in (1, None):
         refuse("pretraining_tp", "only 1")
+    if kind == "olmo2" and c.get("attention_bias"):
+        refuse("attention_bias", "OLMo 2's projections have no biases")
     rope = dict(c.get("rope_parameters") or {})
     theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
     scaling = c.get("rope_scaling")
@@ -75,11 +77,13 @@ def read_hf_config(path: str | os.PathLike) -> dict:
         max_position_embeddings=c.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         attention_bias=True if kind == "qwen2" else bool(c.get("attention_bias", False)),
-        qk_norm=kind == "qwen3", initializer_range=float(c.get("initializer_range", 0.02)),
+        qk_norm=kind in ("qwen3", "olmo2"), initializer_range=float(c.get("initializer_range", 0.02)),
         sliding_window=(c.get("sliding_window") if (kind in ("mistral", "mixtral") or c.get("use_sliding_window"))
                         else None),
         architecture=arch, pad_token_id=_token(c.get("pad_token_id"), c["vocab_size"]),
     )
+    if kind == "olmo2":     # q/k norms over the whole projections, the block's norms on its outputs
+        out.update(qk_norm_scope="projection", norm_placement="post")
     if kind in MOE:
         out.update(_experts(c, kind, refuse))
     return out

@@ -65,6 +65,8 @@ def block_internal_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, mlp_chunk
     q = cfg.num_attention_heads * cfg.head_dim
     kv = cfg.num_key_value_heads * cfg.head_dim
     s = dtype_bytes
+    if cfg.norm_placement == "post":    # OLMo 2's block runs as plain autograd: attention's and the MLP's
+        lean = False                    # outputs saved for their norms in place of the norms' outputs
     kv_saved = kv if SDPA_GQA or kv == q else q
     attn = s * (2 * q + 2 * kv_saved) + 4 * cfg.num_attention_heads   # q, k, v, output (= o_proj input), lse
     if cfg.qk_norm:       # the norms' inputs and fp32 scales (one a head, or one a projection)

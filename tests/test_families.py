@@ -145,3 +145,31 @@ def test_training_through_the_actors_equals_transformers_and_adamw(ray_cluster, 
         assert torch.equal(t, torch.from_numpy(weights[name])), name
     torch.testing.assert_close(back(torch.from_numpy(batches[0].reshape(2, 13)[:, :-1])).logits,
                                torch.from_numpy(ours.copy()), rtol=1e-5, atol=1e-5)
+
+
+def test_the_memory_model_counts_what_an_olmo2_block_saves(tmp_path):
+    """An OLMo 2 block runs as plain autograd whether or not the worker asks for a lean one:
+    the plan counts it so, within 10% of what autograd holds for a block's backward (measured
+    here with saved-tensor hooks, storage by storage, the block's input and weights apart)."""
+    from megaray.memory import block_internal_bytes_per_token
+
+    hf_model("olmo2", tmp_path)
+    cfg, units, flats = megaray_units(tmp_path)
+    w = bind(flats[1].detach().requires_grad_(), units[1])
+    x = torch.randn(1, 64, cfg.hidden_size, requires_grad=True)
+    rope = rope_tables(cfg, 64)
+    skip = {x.untyped_storage().data_ptr()} | {t.untyped_storage().data_ptr() for t in w.values()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        p = t.untyped_storage().data_ptr()
+        if p not in skip:
+            seen[p] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block_forward(w, x, rope, cfg, lean=True)
+    per_token = sum(seen.values()) / 64
+    counted = block_internal_bytes_per_token(cfg, 4, lean=True)
+    assert counted == block_internal_bytes_per_token(cfg, 4, lean=False)
+    assert abs(counted - per_token) <= 0.1 * per_token, (counted, per_token)

@@ -81,14 +81,23 @@ EXPERTS = "mlp.experts."      # the templates' names of the experts' stacks begi
 def _unit(index: int, name: str, kind: str, entries: list[tuple]) -> UnitLayout:
     """Entries are (name, shape), or (name, shape, the templates' key) where Hugging Face's
     name is not the templates' (a router of another family; an expert's matrix, keyed by its
-    stack: the consecutive entries of one key form one stacked view)."""
+    stack: the consecutive entries of one key form one stacked view), or (name, shape, splits)
+    for a matrix the Hub stores fused (Phi-3's qkv_proj): ``splits`` is ((key, rows), ...),
+    a view a block of its rows, which lie one after another in the flat buffer."""
     entries = sorted(entries, key=lambda e: len(e[1]) < 2)  # stable: matrices first
     specs, views, off, decay_numel = [], [], 0, 0
     for pname, shape, *given in entries:
-        key = given[0] if given else short_name(pname)
+        splits = given[0] if given and isinstance(given[0], tuple) else None
+        key = given[0] if given and splits is None else short_name(pname)
         spec = ParamSpec(pname, tuple(shape), off, len(shape) >= 2, key)
         stacked = key.startswith(EXPERTS)
-        if stacked and views and views[-1].key == key:      # the next expert of the stack
+        if splits is not None:
+            assert sum(rows for _, rows in splits) == shape[0], pname
+            row = off
+            for k, rows in splits:
+                views.append(View(k, row, (rows, *shape[1:])))
+                row += rows * math.prod(shape[1:])
+        elif stacked and views and views[-1].key == key:      # the next expert of the stack
             last = views[-1]
             views[-1] = View(key, last.offset, (last.shape[0] + 1, *shape))
         else:
@@ -114,6 +123,10 @@ def _mlp_entries(cfg: ModelConfig, p: str) -> list[tuple]:
     h = cfg.hidden_size
     if not cfg.moe:
         i = cfg.intermediate_size
+        if cfg.architecture in FUSED:        # Phi-3: gate and up in one matrix, gate's rows first
+            return [(p + "mlp.gate_up_proj.weight", (2 * i, h), (("mlp.gate_proj.weight", i),
+                                                                 ("mlp.up_proj.weight", i))),
+                    (p + "mlp.down_proj.weight", (h, i))]
         return [(p + "mlp.gate_proj.weight", (i, h)), (p + "mlp.up_proj.weight", (i, h)),
                 (p + "mlp.down_proj.weight", (h, i))]
     router, experts, projections = _MOE_NAMES.get(cfg.architecture, _MOE_DEFAULT)
@@ -123,6 +136,10 @@ def _mlp_entries(cfg: ModelConfig, p: str) -> list[tuple]:
         out += [(f"{p}{experts}.{e}.{proj}.weight", shape, EXPERTS + stack) for e in range(n)]
     return out
 
+
+# families whose Hub files fuse q, k and v into one matrix, and the MLP's gate and up into
+# another: the same values in the same order as Llama's apart, so one flat layout serves both
+FUSED = ("Phi3ForCausalLM",)
 
 # a block's two RMSNorm scales by model.norm_placement: before attention and the MLP (Llama),
 # or on their outputs (OLMo 2), in Hugging Face's names
@@ -149,10 +166,15 @@ def _layout(cfg: ModelConfig) -> tuple[UnitLayout, ...]:
     units = [_unit(0, "embed", "embed", [("model.embed_tokens.weight", (cfg.vocab_size, h))])]
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
+        if cfg.architecture in FUSED:        # Phi-3: q, k and v in one matrix, in that order
+            qkv = [(p + "self_attn.qkv_proj.weight", (q + 2 * kv, h), (("self_attn.q_proj.weight", q),
+                                                                      ("self_attn.k_proj.weight", kv),
+                                                                      ("self_attn.v_proj.weight", kv)))]
+        else:
+            qkv = [(p + "self_attn.q_proj.weight", (q, h)), (p + "self_attn.k_proj.weight", (kv, h)),
+                   (p + "self_attn.v_proj.weight", (kv, h))]
         e = [
-            (p + "self_attn.q_proj.weight", (q, h)),
-            (p + "self_attn.k_proj.weight", (kv, h)),
-            (p + "self_attn.v_proj.weight", (kv, h)),
+            *qkv,
             (p + "self_attn.o_proj.weight", (h, q)),
             *_mlp_entries(cfg, p),
             *[(p + name, (h,)) for name in BLOCK_NORMS[cfg.norm_placement]],

@@ -277,11 +277,20 @@ def mlp(h: torch.Tensor, w: dict, chunk: int | None = None) -> torch.Tensor:
 
 
 def rope_tables(cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32):
-    """cos, sin of shape [seq_len, head_dim], with llama3 frequency scaling when configured."""
-    hd = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    rs = cfg.rope_scaling
-    if rs is not None:
+    """cos, sin of shape [seq_len, rotary_dim] (``model.partial_rotary_factor`` of head_dim),
+    with llama3 frequency scaling, or LongRoPE's (its long factors for rows longer than the
+    original length, its short ones otherwise, as transformers picks them; cos and sin times
+    its attention factor), when configured."""
+    dim = cfg.rotary_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs, scale = cfg.rope_scaling, 1.0
+    if rs is not None and rs.get("rope_type", rs.get("type")) == "longrope":
+        old = rs["original_max_position_embeddings"]
+        ext = torch.tensor(rs["long_factor"] if seq_len > old else rs["short_factor"], dtype=torch.float32)
+        inv_freq = 1.0 / (ext * cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        factor = rs.get("factor") or cfg.max_position_embeddings / old
+        scale = rs.get("attention_factor") or (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old)))
+    elif rs is not None:
         factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
         old = rs["original_max_position_embeddings"]
         low_wavelen, high_wavelen = old / lo, old / hi
@@ -294,7 +303,7 @@ def rope_tables(cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32
     pos = torch.arange(seq_len, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+    return (emb.cos() * scale).to(device=device, dtype=dtype), (emb.sin() * scale).to(device=device, dtype=dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -303,9 +312,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 @fused
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, heads, S, hd]; cos/sin: [S, hd], or [B, 1, S, hd] at each token's own position
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + _rotate_half(x) * sin
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, S, hd]; cos/sin: [S, rotary_dim], or [B, 1, S, rotary_dim] at each
+    token's own position. A partial rotary (rotary_dim < hd) turns the first rotary_dim
+    dimensions of each head and passes the rest."""
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return _rope(x, cos, sin)
+    return torch.cat([_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
 
 def embed_forward(w: dict, tokens: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:

@@ -42,7 +42,14 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """Rotary embedding base."""
     rope_scaling: dict | None = None
-    """Rotary scaling, HF style; only rope_type 'llama3' (or null) is supported."""
+    """Rotary scaling, HF style: rope_type 'llama3' (its factor, low_freq_factor,
+    high_freq_factor, original_max_position_embeddings), 'longrope' (Phi-3.5, Phi-4-mini: a
+    short_factor and a long_factor of rotary_dim / 2 values each, original_max_position_embeddings,
+    optionally factor and attention_factor; the long factors serve rows longer than the
+    original length), or null."""
+    partial_rotary_factor: float = 1.0
+    """The share of each head's dimensions that rotary turns (the first ``rotary_dim`` of them;
+    Phi-4-mini: 0.75); the rest pass through."""
     max_position_embeddings: int = 2048
     """Longest position the rotary tables are built for."""
     tie_word_embeddings: bool = False
@@ -133,13 +140,32 @@ class ModelConfig:
             self._check_moe_family()
         if self.router_aux_loss_coef < 0:
             raise ConfigError("model.router_aux_loss_coef", f"must be >= 0 (got {self.router_aux_loss_coef})")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or not self.rotary_dim:
+            raise ConfigError("model.partial_rotary_factor", f"{self.partial_rotary_factor} x head_dim={self.head_dim} "
+                                                             "must be a positive even number of dimensions")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            if kind != "llama3":
-                raise ConfigError("model.rope_scaling", f"rope_type {kind!r} is not supported (only 'llama3')")
-            for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-                if k not in self.rope_scaling:
-                    raise ConfigError(f"model.rope_scaling.{k}", "is required for rope_type 'llama3'")
+            self._check_rope_scaling()
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of a head that rotary turns (HF: int(head_dim x partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def _check_rope_scaling(self) -> None:
+        rs = self.rope_scaling
+        kind = rs.get("rope_type", rs.get("type"))
+        need = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+        if kind not in need:
+            raise ConfigError("model.rope_scaling", f"rope_type {kind!r} is not supported (llama3 or longrope)")
+        for k in need[kind]:
+            if k not in rs:
+                raise ConfigError(f"model.rope_scaling.{k}", f"is required for rope_type {kind!r}")
+        if kind == "longrope":
+            for k in ("short_factor", "long_factor"):
+                if not isinstance(rs[k], list) or len(rs[k]) != self.rotary_dim // 2:
+                    raise ConfigError(f"model.rope_scaling.{k}", f"must be a list of rotary_dim / 2 = "
+                                                                 f"{self.rotary_dim // 2} numbers")
 
     @classmethod
     def from_shape(cls, shape: str, **overrides) -> ModelConfig:

@@ -73,6 +73,10 @@ SHAPES: dict[str, dict] = {
                                 tied=False, max_pos=4096, llama3_rope=False),
                   "rms_norm_eps": 1e-6, "qk_norm": True, "qk_norm_scope": "projection", "norm_placement": "post",
                   "architecture": "Olmo2ForCausalLM"},
+    # Phi-4: 14.7B parameters, Phi-3's layout (q/k/v and gate/up fused in the Hub's files)
+    "phi4": {**llama_shape(hidden=5120, layers=40, heads=40, kv_heads=10, intermediate=17920, vocab=100352,
+                           tied=False, rope_theta=250000.0, max_pos=16384, llama3_rope=False),
+             "architecture": "Phi3ForCausalLM"},
     # Mixtral-8x7B: 46.7B parameters, 12.9B active
     "mixtral8x7b": moe_shape(hidden=4096, layers=32, heads=32, kv_heads=8, experts=8, top_k=2, expert_width=14336,
                              vocab=32000, norm_topk=True, eps=1e-5, arch="MixtralForCausalLM"),

@@ -21,9 +21,17 @@ from megaray.model import IGNORE_INDEX, block_forward, embed_forward, head_loss_
 
 SMALL = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-6)
+LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5, short_factor=[1.0, 1.3],
+                long_factor=[2.0, 3.5])
 FAMILIES = {   # transformers' config and model classes, what the family sets, what megaray reads from it
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(pad_token_id=1, eos_token_id=2, rope_theta=50000.0),
               dict(norm_placement="post", qk_norm=True, qk_norm_scope="projection")),
+    # Phi-3's fused q/k/v and gate/up, a partial rotary (half of each head) with LongRoPE: rows
+    # longer than the original 8 positions take the long factors, and cos and sin are scaled
+    # by sqrt(1 + ln(32 / 8) / ln 8)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=1, eos_token_id=2, max_position_embeddings=32,
+                                                   original_max_position_embeddings=8, rope_parameters=LONGROPE),
+             dict(partial_rotary_factor=0.5, rotary_dim=4)),
 }
 
 
@@ -58,10 +66,19 @@ def test_logits_and_gradients_equal_transformers(family, tmp_path):
     assert {k: getattr(cfg, k) for k in FAMILIES[family][3]} == FAMILIES[family][3]
     assert sum(u.numel for u in units) == cfg.num_params() == sum(p.numel() for p in ref.parameters())
     torch.manual_seed(1)
+    w = [bind(f, u) for u, f in zip(units, flats)]
+    with torch.no_grad():                    # a row within the original length too (LongRoPE's short factors)
+        short = torch.randint(0, cfg.vocab_size, (2, 6))
+        x = embed_forward(w[0], short, cfg.pad_token_id)
+        rope = rope_tables(cfg, 6)
+        for i in range(cfg.num_hidden_layers):
+            x = block_forward(w[i + 1], x, rope, cfg)
+        logits = torch.nn.functional.linear(rms_norm(x, w[-1]["model.norm.weight"], cfg.rms_norm_eps),
+                                            w[-1]["lm_head.weight"])
+        torch.testing.assert_close(logits, ref(input_ids=short).logits, rtol=1e-5, atol=1e-5)
     inp = torch.randint(0, cfg.vocab_size, (2, 10))
     tgt = torch.cat([inp[:, 1:], torch.full((2, 1), IGNORE_INDEX)], dim=1)   # transformers' shift of labels=inp
     out = ref(input_ids=inp, labels=inp)
-    w = [bind(f, u) for u, f in zip(units, flats)]
     x = embed_forward(w[0], inp, cfg.pad_token_id)
     rope = rope_tables(cfg, inp.shape[1])
     for i in range(cfg.num_hidden_layers):

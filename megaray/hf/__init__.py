@@ -3,10 +3,11 @@
 ``megaray.hf.read`` turns a model directory (config.json and safetensors) into a model config
 and master weights; ``megaray.hf.export`` writes a checkpoint back as a model directory that
 transformers loads. Supported architectures: LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM and Olmo2ForCausalLM, and the mixtures of experts Qwen3MoeForCausalLM,
+Qwen2ForCausalLM, Qwen3ForCausalLM, Olmo2ForCausalLM and Phi3ForCausalLM (Phi-3, Phi-4),
+and the mixtures of experts Qwen3MoeForCausalLM,
 MixtralForCausalLM and OlmoeForCausalLM, whose parameter names are megaray's own
-(``megaray.layout`` uses Hugging Face's names, each expert's matrices as the Hub stores them),
-so both directions copy tensor by tensor.
+(``megaray.layout`` uses Hugging Face's names, each expert's matrices and Phi-3's fused
+q/k/v and gate/up matrices as the Hub stores them), so both directions copy tensor by tensor.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Olmo2ForCausalLM": "olmo2",
+    "Phi3ForCausalLM": "phi3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",

@@ -44,8 +44,16 @@ def hf_config_dict(model, architecture: str | None, source: dict | None = None) 
     kind = ARCHITECTURES[arch]
     if kind in ("llama", "qwen3", "qwen3_moe", "olmoe", "olmo2"):
         out["attention_bias"] = model.attention_bias
-    if kind in ("mistral", "mixtral"):
+    if kind in ("mistral", "mixtral", "phi3"):
         out["sliding_window"] = model.sliding_window
+    if kind == "phi3":
+        out["partial_rotary_factor"] = model.partial_rotary_factor
+        rs = model.rope_scaling
+        if rs is not None:
+            out["original_max_position_embeddings"] = rs["original_max_position_embeddings"]
+    elif model.partial_rotary_factor != 1.0:
+        raise ExportError(f"{arch} turns every dimension of a head (model.partial_rotary_factor "
+                          f"{model.partial_rotary_factor} is Phi-3's)")
     if kind in MOE:
         out.update({"num_local_experts" if kind == "mixtral" else "num_experts": model.num_experts,
                     "num_experts_per_tok": model.num_experts_per_tok,

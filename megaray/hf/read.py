@@ -60,13 +60,21 @@ def read_hf_config(path: str | os.PathLike) -> dict:
         refuse("attention_bias", "OLMo 2's projections have no biases")
     rope = dict(c.get("rope_parameters") or {})
     theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    partial = float(c.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
     scaling = c.get("rope_scaling")
     if scaling is None and rope.get("rope_type", "default") != "default":
-        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) in ("default", None):
+        scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    kind_of = (lambda r: r.get("rope_type", r.get("type")))
+    if scaling is not None and kind_of(scaling) in ("default", None):
         scaling = None
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "llama3":
-        refuse("rope_scaling", f"rope type {scaling.get('rope_type', scaling.get('type'))!r}; only llama3 scaling")
+    if scaling is not None and kind == "phi3" and kind_of(scaling) in ("su", "yarn"):   # Phi-3's old names
+        scaling = {**scaling, "rope_type": "longrope"}
+    if scaling is not None and kind_of(scaling) == "longrope":
+        scaling = {k: v for k, v in scaling.items() if k not in ("type", "partial_rotary_factor")}
+        scaling = {**scaling, "rope_type": "longrope", "original_max_position_embeddings": scaling.get(
+            "original_max_position_embeddings", c.get("original_max_position_embeddings"))}
+    if scaling is not None and kind_of(scaling) not in ("llama3", "longrope"):
+        refuse("rope_scaling", f"rope type {kind_of(scaling)!r}; llama3 or longrope scaling")
     heads = c["num_attention_heads"]
     out = dict(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
@@ -78,8 +86,9 @@ def read_hf_config(path: str | os.PathLike) -> dict:
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         attention_bias=True if kind == "qwen2" else bool(c.get("attention_bias", False)),
         qk_norm=kind in ("qwen3", "olmo2"), initializer_range=float(c.get("initializer_range", 0.02)),
-        sliding_window=(c.get("sliding_window") if (kind in ("mistral", "mixtral") or c.get("use_sliding_window"))
-                        else None),
+        sliding_window=(c.get("sliding_window") if (kind in ("mistral", "mixtral", "phi3")
+                                                    or c.get("use_sliding_window")) else None),
+        partial_rotary_factor=partial,
         architecture=arch, pad_token_id=_token(c.get("pad_token_id"), c["vocab_size"]),
     )
     if kind == "olmo2":     # q/k norms over the whole projections, the block's norms on its outputs

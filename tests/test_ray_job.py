@@ -46,7 +46,7 @@ def head(tmp_path_factory):
     prom = None
     try:
         info = {"address": f"http://127.0.0.1:{dash}", "metrics": f"http://127.0.0.1:{metrics}/metrics",
-                "prometheus": None}
+                "prometheus": None, "gcs": f"127.0.0.1:{gcs}"}
         if shutil.which("prometheus"):     # Debian's prometheus, scraping the head as a user would set it up
             d = tmp_path_factory.mktemp("prometheus")
             port = _free_port()
@@ -192,6 +192,23 @@ def test_job_with_bad_config_fails_with_the_error_in_its_logs(head, tmp_path):
     assert _wait(head, "megaray-bad", timeout=120) == "FAILED"
     logs = _ray("job", "logs", "megaray-bad", "--address", head["address"]).stdout
     assert "config key 'optim.num_shards'" in logs
+
+
+def test_a_cluster_too_small_is_named_with_the_fix_by_plan_and_by_train(head, tmp_path):
+    """Issue 47 item 8: the head offers 6 CPUs and the run asks for 10 (4 shards of 2 threads,
+    the worker's 2): `megaray plan` with RAY_ADDRESS checks that cluster, and `megaray train`
+    refuses before any actor starts, each naming the fix."""
+    args = ["debug", "optim.num_shards=4", "optim.threads_per_shard=2", "worker.threads=2", f"run.dir={tmp_path}"]
+    env = dict(ENV, RAY_ADDRESS=head["gcs"])
+    cli = str(Path(sys.executable).with_name("megaray"))
+    plan = subprocess.run([cli, "plan", *args], capture_output=True, text=True, env=env, timeout=300)
+    assert plan.returncode == 1, plan.stdout + plan.stderr
+    said = ("the Ray cluster cannot hold the run on one node: it needs 10 CPU (it offers 6); start it with more "
+            "(ray start --head --num-cpus=10")
+    assert f"DOES NOT FIT: {said}" in plan.stdout and "optim.num_shards=1" in plan.stdout
+    assert plan.stdout.rstrip().endswith(f"DOES NOT FIT the Ray cluster at {head['gcs']}")
+    train = subprocess.run([cli, "train", *args], capture_output=True, text=True, env=env, timeout=300)
+    assert train.returncode == 2 and f"config key 'cluster': {said}" in train.stderr, train.stderr[-3000:]
 
 
 def test_ray_job_stop_checkpoints_and_stops(head, tmp_path):

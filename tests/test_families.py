@@ -6,17 +6,15 @@ few steps through the actors equal transformers with torch's AdamW, then export 
 """
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megaray.config import ModelConfig  # noqa: E402
-from megaray.hf.read import load_into, read_hf_config  # noqa: E402
-from megaray.layout import bind, build_layout  # noqa: E402
+from hub import assert_adam_close, megaray_units, save_checkpoint, warnings_of  # noqa: E402
+
+from megaray.layout import bind  # noqa: E402
 from megaray.model import IGNORE_INDEX, block_forward, embed_forward, head_loss_sum, rms_norm, rope_tables  # noqa: E402
 
 SMALL = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -48,14 +46,6 @@ def hf_model(family: str, folder, seed: int = 0):
                 p.add_(0.2 * torch.randn_like(p))
     m.save_pretrained(folder)
     return m
-
-
-def megaray_units(folder):
-    cfg = ModelConfig(**read_hf_config(folder), from_path=str(folder))
-    units = build_layout(cfg)
-    flats = [torch.zeros(u.numel) for u in units]
-    load_into(units, lambda u: flats[u], folder, threads=1)
-    return cfg, units, [f.requires_grad_() for f in flats]
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -103,9 +93,6 @@ def test_training_through_the_actors_equals_transformers_and_adamw(ray_cluster, 
     equal three of transformers with torch's AdamW on the whole two-row batch; the export
     reloads in transformers with no warning, every tensor as megaray holds it, with megaray's
     logits."""
-    import dataclasses
-
-    from megaray.checkpoint import Checkpointer
     from megaray.driver.session import TrainingSession
     from megaray.hf.export import export_checkpoint
     from megaray.loader import build_config
@@ -137,26 +124,11 @@ def test_training_through_the_actors_equals_transformers_and_adamw(ray_cluster, 
             opt.step()
         weights = s.state_dict()
         ours = s.logits(batches[0].reshape(2, 13)[:, :-1])
-        ck = Checkpointer(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
-                                                                                  dir=str(tmp_path / "ckpt"))),
-                          s.run_id, logging.getLogger("megaray"))
-        folder = ck.save(s, steps, {})
-        ck.close()
-    # test_parity's bound: Adam turns rounding-level gradients into lr-sized steps where a
-    # gradient nearly cancels; all but a few elements in a thousand agree to 1e-6
-    for name, t in ref.state_dict().items():
-        diff = (torch.from_numpy(weights[name]).double() - t.double()).abs()
-        assert float((diff > 1e-6).float().mean()) < 2e-3, (name, int((diff > 1e-6).sum()))
-        assert float(diff.max()) < 0.05 * lr, name
+        folder = save_checkpoint(s, cfg, tmp_path / "ckpt", steps)
+    assert_adam_close(weights, ref.state_dict(), lr)
     export_checkpoint(folder, tmp_path / "export")
-    said = []
-    handler = logging.Handler()
-    handler.emit = lambda r: said.append(r.getMessage()) if r.levelno >= logging.WARNING else None
-    logging.getLogger("transformers").addHandler(handler)
-    try:
+    with warnings_of("transformers") as said:
         back = getattr(transformers, FAMILIES[family][1]).from_pretrained(tmp_path / "export", dtype=torch.float32)
-    finally:
-        logging.getLogger("transformers").removeHandler(handler)
     assert not said, said
     for name, t in back.state_dict().items():
         assert torch.equal(t, torch.from_numpy(weights[name])), name

@@ -14,8 +14,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hub import assert_adam_close, megaray_units, save_checkpoint, warnings_of  # noqa: E402
+
 from megaray.config import ModelConfig  # noqa: E402
-from megaray.hf.read import load_into, read_hf_config  # noqa: E402
 from megaray.layout import bind, build_layout  # noqa: E402
 from megaray.model import IGNORE_INDEX, block_forward, embed_forward, head_loss_sum, rms_norm, rope_tables  # noqa: E402
 from megaray.moe import aux_loss_grad, balance_loss, expert_linear  # noqa: E402
@@ -48,15 +49,6 @@ def hf_model(family: str, folder, seed: int = 0, experts: int = 4):
                 p.normal_(0.0, 0.3)
     m.save_pretrained(folder)
     return m
-
-
-def megaray_units(folder):
-    """The model config and one fp32 flat leaf a unit, loaded by megaray's reader."""
-    cfg = ModelConfig(**read_hf_config(folder), from_path=str(folder))
-    units = build_layout(cfg)
-    flats = [torch.zeros(u.numel) for u in units]
-    load_into(units, lambda u: flats[u], folder, threads=1)
-    return cfg, units, [f.requires_grad_() for f in flats]
 
 
 def hub_view(tensors: dict, name: str, width: int) -> torch.Tensor:
@@ -174,13 +166,10 @@ def test_training_through_the_actors_equals_transformers_and_adamw(ray_cluster, 
     steps of transformers on the whole two-row batch (mean cross-entropy plus the weighted
     load-balancing loss over all of the step's tokens); the export reloads in transformers
     with no warning, every tensor as megaray holds it, with megaray's logits."""
-    import dataclasses
     import importlib
-    import logging
 
     import numpy as np
 
-    from megaray.checkpoint import Checkpointer
     from megaray.driver.session import TrainingSession
     from megaray.hf.export import export_checkpoint
 
@@ -211,21 +200,10 @@ def test_training_through_the_actors_equals_transformers_and_adamw(ray_cluster, 
             opt.step()
         weights = s.state_dict()
         logits = s.logits(batches[0].reshape(2, 13)[:, :-1])
-        ck = Checkpointer(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
-                                                                                  dir=str(tmp_path / "ckpt"))),
-                          s.run_id, logging.getLogger("megaray"))
-        folder = ck.save(s, steps, {})
-        ck.close()
-    # Adam turns rounding-level gradients into lr-sized steps where a gradient is a sum that
-    # nearly cancels: all but a few elements in a thousand agree to 1e-6, and none is off by
-    # more than a small part of one step (test_parity's bound)
-    for name, t in hub_state(ref, cfg.model).items():
-        diff = (torch.from_numpy(weights[name]).double() - t).abs()
-        assert float((diff > 1e-6).float().mean()) < 2e-3, (name, int((diff > 1e-6).sum()))
-        assert float(diff.max()) < 0.05 * lr, name
-
+        folder = save_checkpoint(s, cfg, tmp_path / "ckpt", steps)
+    assert_adam_close(weights, hub_state(ref, cfg.model), lr)
     export_checkpoint(folder, tmp_path / "export")
-    with _warnings_of("transformers") as said:
+    with warnings_of("transformers") as said:
         back = getattr(transformers, FAMILIES[family][1]).from_pretrained(tmp_path / "export", dtype=torch.float32)
     assert not said, said
     for name, t in hub_state(back, cfg.model).items():
@@ -263,21 +241,3 @@ def test_an_expert_no_token_reaches_gets_no_gradient_and_still_decays(ray_cluste
         expect = before[n] * (1 - lr * wd) * (1 - lr * wd)    # in fp32, as the shards multiply
         torch.testing.assert_close(torch.from_numpy(weights[n]), expect, rtol=1e-6, atol=0)
         assert not torch.equal(torch.from_numpy(weights[n]), before[n])
-
-
-class _warnings_of:
-    """Collect the warnings a logger (and its children) emits inside the block."""
-
-    def __init__(self, name: str):
-        import logging
-
-        self.logger, self.said = logging.getLogger(name), []
-        self.handler = logging.Handler(logging.WARNING)
-        self.handler.emit = lambda record: self.said.append(record.getMessage())
-
-    def __enter__(self):
-        self.logger.addHandler(self.handler)
-        return self.said
-
-    def __exit__(self, *exc):
-        self.logger.removeHandler(self.handler)

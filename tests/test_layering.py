@@ -11,8 +11,8 @@ import megaray
 
 PACKAGES = ("megaray", "megaray.actors", "megaray.pipelines", "megaray.hf", "megaray.bench", "megaray.driver")
 # The core library: neither Ray nor the actors and the driver above it.
-CORE = {"megaray.errors", "megaray.shapes", "megaray.model_config", "megaray.config", "megaray.loader",
-        "megaray.layout", "megaray.attention", "megaray.fused", "megaray.moe", "megaray.model",
+CORE = {"megaray.errors", "megaray.shapes", "megaray.model_config", "megaray.optim_config", "megaray.config",
+        "megaray.loader", "megaray.layout", "megaray.attention", "megaray.fused", "megaray.moe", "megaray.model",
         "megaray.hf", "megaray.hf.read", "megaray.hf.export", "megaray.leftovers", "megaray.shm", "megaray.protocol",
         "megaray.buffers", "megaray.memory", "megaray.cost", "megaray.machine", "megaray.plan",
         "megaray.lr_schedule", "megaray.clipping", "megaray.adamw", "megaray.parts", "megaray.checkpoint",

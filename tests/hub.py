@@ -18,6 +18,30 @@ def megaray_units(folder):
     return cfg, units, [f.requires_grad_() for f in flats]
 
 
+def train_cfg(folder, lr: float, wd: float, steps: int, **debug):
+    """A RunConfig that fine-tunes the model in ``folder``: fp32 compute, two micro-batches of
+    one 12-token row a step, two shards, constant ``lr`` and weight decay ``wd``, no clipping."""
+    from megaray.loader import build_config
+
+    return build_config({
+        "model": {"from": str(folder)},
+        "train": {"steps": steps, "micro_batch_size": 1, "grad_accum": 2, "seq_len": 12, "compute_dtype": "float32"},
+        "optim": {"lr": lr, "weight_decay": wd, "clip_grad_norm": None, "num_shards": 2, "warmup_steps": 0,
+                  "schedule": "constant", "grad_slab_mib": 0.01},
+        "data": {"max_bytes": 20000},
+        **({"debug": debug} if debug else {}),
+    })
+
+
+def reference_adamw(ref, cfg, lr: float, wd: float):
+    """torch's AdamW over a transformers model as megaray's shards run it: decay on matrices
+    only, the config's betas and eps."""
+    decay = [p for p in ref.parameters() if p.ndim >= 2]
+    rest = [p for p in ref.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}],
+                             lr=lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+
+
 def save_checkpoint(session, cfg, folder, step: int):
     """A checkpoint of ``session`` at ``step`` in ``folder`` (megaray's own Checkpointer), for
     ``megaray export`` to read back."""

@@ -12,7 +12,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hub import assert_adam_close, megaray_units, save_checkpoint, warnings_of  # noqa: E402
+from hub import (  # noqa: E402
+    assert_adam_close,
+    megaray_units,
+    reference_adamw,
+    save_checkpoint,
+    train_cfg,
+    warnings_of,
+)
 
 from megaray.layout import bind  # noqa: E402
 from megaray.model import IGNORE_INDEX, block_forward, embed_forward, head_loss_sum, rms_norm, rope_tables  # noqa: E402
@@ -95,23 +102,13 @@ def test_training_through_the_actors_equals_transformers_and_adamw(ray_cluster, 
     logits."""
     from megaray.driver.session import TrainingSession
     from megaray.hf.export import export_checkpoint
-    from megaray.loader import build_config
 
     ref = hf_model(family, tmp_path / "hf", seed=3)
     lr, wd, steps = 3e-3, 0.1, 3
-    cfg = build_config({
-        "model": {"from": str(tmp_path / "hf")},
-        "train": {"steps": steps, "micro_batch_size": 1, "grad_accum": 2, "seq_len": 12, "compute_dtype": "float32"},
-        "optim": {"lr": lr, "weight_decay": wd, "clip_grad_norm": None, "num_shards": 2, "warmup_steps": 0,
-                  "schedule": "constant", "grad_slab_mib": 0.01},
-        "data": {"max_bytes": 20000},
-    })
+    cfg = train_cfg(tmp_path / "hf", lr, wd, steps)
     rng = np.random.default_rng(4)
     batches = [rng.integers(0, cfg.model.vocab_size, (2, 1, 13)) for _ in range(steps)]
-    decay = [p for p in ref.parameters() if p.ndim >= 2]
-    rest = [p for p in ref.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}],
-                            lr=lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+    opt = reference_adamw(ref, cfg, lr, wd)
     with TrainingSession(cfg) as s:
         for step, b in enumerate(batches):
             m = s.train_step(step, b)

@@ -14,7 +14,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hub import assert_adam_close, megaray_units, save_checkpoint, warnings_of  # noqa: E402
+from hub import (  # noqa: E402
+    assert_adam_close,
+    megaray_units,
+    reference_adamw,
+    save_checkpoint,
+    train_cfg,
+    warnings_of,
+)
 
 from megaray.config import ModelConfig  # noqa: E402
 from megaray.layout import bind, build_layout  # noqa: E402
@@ -146,19 +153,6 @@ def test_moe_shapes_count_total_and_active_parameters():
     assert ModelConfig.from_shape("olmoe7b").active_params() == 50304 * h * 2 + h + 16 * (block - (e - k) * 3 * h * i)
 
 
-def _train_cfg(folder, lr: float, wd: float, steps: int):
-    from megaray.loader import build_config
-
-    return build_config({
-        "model": {"from": str(folder)},
-        "train": {"steps": steps, "micro_batch_size": 1, "grad_accum": 2, "seq_len": 12, "compute_dtype": "float32"},
-        "optim": {"lr": lr, "weight_decay": wd, "clip_grad_norm": None, "num_shards": 2, "warmup_steps": 0,
-                  "schedule": "constant", "grad_slab_mib": 0.01},
-        "data": {"max_bytes": 20000},
-        "debug": {"keep_gradients": True},
-    })
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_training_through_the_actors_equals_transformers_and_adamw(ray_cluster, tmp_path, family):
     """load -> train -> export for each family, against transformers with torch's AdamW:
@@ -175,14 +169,11 @@ def test_training_through_the_actors_equals_transformers_and_adamw(ray_cluster, 
 
     ref = hf_model(family, tmp_path / "hf", seed=3)
     lr, wd, steps = 3e-3, 0.1, 3
-    cfg = _train_cfg(tmp_path / "hf", lr, wd, steps)
+    cfg = train_cfg(tmp_path / "hf", lr, wd, steps, keep_gradients=True)
     rng = np.random.default_rng(4)
     batches = [rng.integers(0, cfg.model.vocab_size, (2, 1, 13)) for _ in range(steps)]
 
-    decay = [p for p in ref.parameters() if p.ndim >= 2]
-    rest = [p for p in ref.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}],
-                            lr=lr, betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+    opt = reference_adamw(ref, cfg, lr, wd)
     lb = importlib.import_module(type(ref).__module__).load_balancing_loss_func   # transformers' own
     with TrainingSession(cfg) as s:
         for step, b in enumerate(batches):
@@ -226,7 +217,7 @@ def test_an_expert_no_token_reaches_gets_no_gradient_and_still_decays(ray_cluste
         block.mlp.gate.weight.zero_()[:4, 0] = torch.tensor([5.0, -5.0, 4.0, -4.0])
     ref.save_pretrained(tmp_path / "hf")
     lr, wd = 1e-2, 0.1
-    cfg = _train_cfg(tmp_path / "hf", lr, wd, 2)
+    cfg = train_cfg(tmp_path / "hf", lr, wd, 2, keep_gradients=True)
     unused = [f"model.layers.0.mlp.experts.4.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
     before = hub_state(ref, cfg.model)
     rng = torch.Generator().manual_seed(0)

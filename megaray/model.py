@@ -282,12 +282,13 @@ def rope_tables(cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32
     original length, its short ones otherwise, as transformers picks them; cos and sin times
     its attention factor), when configured."""
     dim = cfg.rotary_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    base = cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    inv_freq = 1.0 / base
     rs, scale = cfg.rope_scaling, 1.0
     if rs is not None and rs.get("rope_type", rs.get("type")) == "longrope":
         old = rs["original_max_position_embeddings"]
         ext = torch.tensor(rs["long_factor"] if seq_len > old else rs["short_factor"], dtype=torch.float32)
-        inv_freq = 1.0 / (ext * cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        inv_freq = 1.0 / (ext * base)
         factor = rs.get("factor") or cfg.max_position_embeddings / old
         scale = rs.get("attention_factor") or (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old)))
     elif rs is not None:

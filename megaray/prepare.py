@@ -416,11 +416,13 @@ def prepare(inputs: list[str], out: str, opts: PrepareOptions, log=print, num_cp
     started = not ray.is_initialized()
     address = address or os.environ.get("RAY_ADDRESS")
     if started and address:
+        from megaray.driver.cluster import attach
+
         try:
-            ray.init(address=address, log_to_driver=False)
-        except Exception as e:           # ray.init raises bare Exception, ConnectionError, ValueError...
+            attach(address, log_to_driver=False)
+        except ClusterError:
             shutil.rmtree(tmp, ignore_errors=True)
-            raise ClusterError(f"cannot reach the Ray cluster at {address}: {str(e).strip().splitlines()[0]}") from None
+            raise
         log(f"prepare: attached to the Ray cluster at {address}")
     elif started:
         from megaray.driver.cluster import start_local_ray

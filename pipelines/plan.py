@@ -144,13 +144,14 @@ def _cluster_shortfall(cfg) -> str | None:
         return None
     import ray
 
-    from megaray.driver.cluster import bundle_shortfall, run_bundle
+    from megaray.driver.cluster import attach, bundle_shortfall, run_bundle
+    from megaray.errors import ClusterError
 
     try:
-        ray.init(address=address, log_to_driver=False, logging_level="ERROR")
+        attach(address, log_to_driver=False, logging_level="ERROR")
         have = ray.cluster_resources()
-    except Exception as e:          # ray.init raises bare Exception, ConnectionError, ValueError...
-        return f"cannot reach the Ray cluster at {address}: {str(e).strip().splitlines()[0]}"
+    except ClusterError as e:
+        return str(e)
     finally:
         ray.shutdown()
     device = cfg.worker.device if cfg.worker.device != "auto" else ("cuda" if have.get("GPU", 0) >= 1 else "cpu")

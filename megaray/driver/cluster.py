@@ -23,19 +23,33 @@ def connect_ray(cfg: RunConfig) -> bool:
     address = cfg.cluster.address or os.environ.get("RAY_ADDRESS")
     where = (f"the Ray cluster at {address} (cluster.address)" if cfg.cluster.address else
              f"the Ray cluster at RAY_ADDRESS={address}" if address else "a local Ray")
+    if address:
+        attach(address, f"cannot start or reach {where}", namespace="megaray", log_to_driver=True)
+        return True
     try:
-        if address:
-            ray.init(address=address, namespace="megaray", log_to_driver=True)
-            return True
         needed = cfg.optim.num_shards * cfg.optim.threads_per_shard + cfg.worker.count * cfg.worker.threads
         start_local_ray(num_cpus=cfg.cluster.num_cpus or max(needed, os.cpu_count() or 1),
                         object_store_memory=cfg.cluster.object_store_mb * 2**20, namespace="megaray")
         return True
     except Exception as e:          # ray.init raises bare Exception, ConnectionError, RuntimeError...
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ClusterError(f"cannot start or reach {where}: {first}") from None
+        raise _failed(f"cannot start or reach {where}", e) from None
+
+
+def attach(address: str, what: str | None = None, **init) -> None:
+    """``ray.init(address=address, **init)``; its failure a one-line ClusterError: ``what``
+    (by default: cannot reach the Ray cluster at ``address``), then what Ray answered."""
+    try:
+        ray.init(address=address, **init)
+    except Exception as e:          # ray.init raises bare Exception, ConnectionError, ValueError...
+        raise _failed(what or f"cannot reach the Ray cluster at {address}", e) from None
+
+
+def _failed(what: str, e: Exception) -> ClusterError:
+    """Ray shut down again, and ``what`` with the first line of Ray's answer."""
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ClusterError(f"{what}: {first}")
 
 
 LOCAL_RAY_KILL_THRESHOLD = "0.98"

@@ -57,6 +57,14 @@ MATMUL_TFLOPS = ((2048, 446.0), (3072, 514.0), (4096, 573.0))
 # `megaray bench --attention-alone`: 281 at 2048, 495 at 16,384, 462 at 131,072),
 # interpolated in log2 of the length, the mean of the long ones beyond.
 ATTENTION_TFLOPS = ((2048, 281.0), (16384, 470.0))
+# A mixture's experts (their grouped products with the routing's gathers, the router weights
+# and the sums: ``moe.moe_mlp``), bf16 TFLOP/s by the work of one expert's group in one
+# micro-batch: rows (tokens x k / experts) x ``moe_intermediate_size``. Small groups run the
+# tensor cores far below a dense product's rate. Measured as one block alone (`megaray bench
+# --block-alone`, forward and backward, on an H100): the block's seconds less its attention and
+# projections at the rates above; qwen3moe30b at 4096 x 1 and 4096 x 2 tokens (256 and 512
+# rows of width 768), olmoe7b at 4096 x 1 (512 of width 1024) (BENCHMARKS.md, session 27).
+EXPERT_TFLOPS = ((196608, 175.0), (393216, 226.0), (524288, 245.0))
 # The forward alone runs faster than the step's average the two tables describe (no backward
 # products' fp32 accumulation, no recomputation's extra passes): llama8b's forward at seq 4096
 # (15 blocks kept, 17 recomputed) took 1.429 s for 32 blocks on the H200 where the tables give
@@ -96,21 +104,41 @@ def rates(cfg: RunConfig, speeds: Speeds) -> tuple[float, float]:
             _interpolate(ATTENTION_TFLOPS, cfg.train.seq_len, log=True) * 1e12)
 
 
-def block_forward_seconds(cfg: RunConfig, speeds: Speeds) -> float:
-    """One block's forward over a step's tokens at the step-average rates (``rates``): its
-    matrix products (2 x the block's parameters x tokens) and its attention (2 x hidden x
-    sequence x tokens)."""
+def expert_rate(cfg: RunConfig, speeds: Speeds) -> float:
+    """FLOP/s of a mixture's experts: EXPERT_TFLOPS by one group's work in a micro-batch
+    (log-interpolated, the nearest end beyond the measured sizes), or ``speeds.gpu_tflops``."""
+    if speeds.gpu_tflops:
+        return speeds.gpu_tflops * 1e12
     m, t = cfg.model, cfg.train
-    block = active_block_params(m)
-    mm, attn = rates(cfg, speeds)
-    return 2.0 * t.tokens_per_step * (block / mm + m.hidden_size * t.seq_len / attn)
+    rows = t.micro_batch_size * t.seq_len * m.num_experts_per_tok / m.num_experts
+    return _interpolate(EXPERT_TFLOPS, rows * m.moe_intermediate_size, log=True) * 1e12
+
+
+def expert_params(m) -> int:
+    """One block's expert parameters a token's compute reads (k experts' three matrices); 0 for
+    a dense block."""
+    return m.num_experts_per_tok * 3 * m.hidden_size * m.moe_intermediate_size if m.moe else 0
+
+
+def _product_seconds(cfg: RunConfig, speeds: Speeds, params: float, experts: float, tokens: float) -> float:
+    """2 x ``tokens`` x parameters at their rates: ``experts`` of ``params`` at the experts'."""
+    mm = rates(cfg, speeds)[0]
+    return 2.0 * tokens * ((params - experts) / mm + (experts / expert_rate(cfg, speeds) if experts else 0.0))
+
+
+def block_forward_seconds(cfg: RunConfig, speeds: Speeds) -> float:
+    """One block's forward over a step's tokens at the step-average rates (``rates``,
+    ``expert_rate``): its matrix products (2 x the block's active parameters x tokens) and its
+    attention (2 x hidden x sequence x tokens)."""
+    m, t = cfg.model, cfg.train
+    attn = rates(cfg, speeds)[1]
+    return (_product_seconds(cfg, speeds, active_block_params(m), expert_params(m), t.tokens_per_step)
+            + 2.0 * t.tokens_per_step * m.hidden_size * t.seq_len / attn)
 
 
 def active_block_params(m) -> int:
     """One block's parameters a token's compute reads: all of a dense block's; a mixture's with
-    k of its experts (and its whole router). Their products run at the dense rates by hidden
-    size: the experts' grouped products (width ``moe_intermediate_size``) have no rate of their
-    own measured yet."""
+    k of its experts (and its whole router)."""
     if not m.num_hidden_layers:
         return 0
     block = build_layout(m)[1].numel
@@ -123,13 +151,14 @@ def compute_seconds(cfg: RunConfig, speeds: Speeds, recomputed: int = 0) -> floa
     """The GPU's seconds for a step's FLOPs (ARCHITECTURE.md's formula, causal attention's
     work: document masking does less, which the plan cannot know in advance) and for
     ``recomputed`` blocks' forwards again (``block_forward_seconds`` each): the matrix
-    products (6 x active parameters x tokens) and the attention (6 x layers x hidden x sequence x
-    tokens), each at its rate (``rates``)."""
+    products (6 x active parameters x tokens; a mixture's experts at ``expert_rate``) and the
+    attention (6 x layers x hidden x sequence x tokens), each at its rate (``rates``)."""
     m, t = cfg.model, cfg.train
     tokens = t.tokens_per_step
-    mm, attn = rates(cfg, speeds)
-    return (6.0 * m.active_params() * tokens / mm
-            + 6.0 * m.num_hidden_layers * m.hidden_size * t.seq_len * tokens / attn
+    attn = rates(cfg, speeds)[1]
+    L = m.num_hidden_layers
+    return (3.0 * _product_seconds(cfg, speeds, m.active_params(), L * expert_params(m), tokens)
+            + 6.0 * L * m.hidden_size * t.seq_len * tokens / attn
             + recomputed * block_forward_seconds(cfg, speeds))
 
 

@@ -73,23 +73,24 @@ def block_internal_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, mlp_chunk
         scales = cfg.num_attention_heads + cfg.num_key_value_heads if cfg.qk_norm_scope == "head" else 2
         attn += s * (q + kv) + 4 * scales
     if cfg.moe:           # the first norm as in the dense block; the MLP is moe_bytes_per_token's
-        return 4 + attn + (0 if lean else s * h) + moe_bytes_per_token(cfg, s)
+        return 4 + attn + (0 if lean else s * h) + moe_bytes_per_token(cfg, s, fused)
     norms = 2 * 4 + s * h * (2 if mlp_chunked else 1)     # two scales; norm 2's input (and output, chunked)
     mlp = 0 if mlp_chunked else 2 * s * i       # gate and up
     plain = 0 if lean else s * h + (0 if mlp_chunked else s * h + (1 if fused else 2) * s * i)
     return norms + attn + mlp + plain
 
 
-def moe_bytes_per_token(cfg: ModelConfig, s: int) -> int:
+def moe_bytes_per_token(cfg: ModelConfig, s: int, fused: bool = False) -> int:
     """What a mixture's MLP (``moe.moe_mlp``, plain autograd) saves per token: the norm's input,
     scale and output; the router's fp32 softmax and its top k (values, int64 indices, and the
     renormalised weights); for each of the k rows the token sends to its experts (sorted): the
-    gathered input, the gate and up projections, silu(gate), the product, the experts' output
-    and its weighted copy, the sort's int64 order and token index."""
+    gathered input, the gate and up projections, the row's router weight, the down
+    projection's input, the two int64 permutations the rows move by, and, run eagerly,
+    silu(gate) and its product with up (the compiled ``moe._swiglu`` rebuilds them)."""
     h, e, k, i = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     norm = 2 * s * h + 4
-    router = 4 * e + k * (4 + 8 + 4 + s)
-    rows = k * (3 * s * h + 4 * s * i + 2 * 8)
+    router = 4 * e + k * (4 + 8 + 4)
+    rows = k * (s * h + (3 if fused else 5) * s * i + s + 2 * 8)
     return norm + router + rows
 
 

@@ -10,6 +10,7 @@ from reference import RefLlama
 
 from megaray.bench.baseline import BaselineLlama, run_baseline
 from megaray.bench.run import bench, bench_config, breakdown, document_ids, print_table
+from megaray.config import ModelConfig
 from megaray.layout import build_layout
 from megaray.model import flops_per_step, init_unit
 
@@ -126,12 +127,21 @@ def test_the_block_bench_says_it_needs_a_gpu(capsys):
     assert "--block-alone times a block on a CUDA GPU" in capsys.readouterr().err
 
 
-def test_the_block_bench_runs_every_case_on_the_cpu():
+@pytest.mark.parametrize("shape", ["debug", "debug_moe"])
+def test_the_block_bench_runs_every_case_on_the_cpu(shape):
     """The block bench's cases on the CPU (the passes eager both ways): each one runs its
-    forward and its backward, the products' alone with just the weights they use."""
+    forward and its backward, the products' alone with just the weights they use; a
+    mixture's block with its router and experts, its FLOPs counting k experts a token."""
     from megaray.bench.block import print_rows, run
 
-    (row,) = run("debug", [(16, 2)], reps=1, device="cpu")
+    (row,) = run(shape, [(16, 2)], reps=1, device="cpu")
+    m = ModelConfig.from_shape(shape)
+    q, kv = m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
+    mlp = (m.num_experts_per_tok * 3 * m.moe_intermediate_size + m.num_experts if m.moe
+           else 3 * m.intermediate_size) * m.hidden_size
+    norms = 2 * m.hidden_size + (0 if not m.qk_norm else 2 * m.head_dim if m.qk_norm_scope == "head" else q + kv)
+    active = (2 * q + 2 * kv) * m.hidden_size + mlp + norms
+    assert row["forward_flops"] == pytest.approx(2 * 32 * (active + m.hidden_size * 16), rel=1e-3)
     for mode in ("eager", "fused"):
         assert set(row[mode]) == {"forward_s", "lean_s", "plain_s"} and min(row[mode].values()) > 0
     assert min(row["products"].values()) > 0

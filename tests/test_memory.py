@@ -190,7 +190,7 @@ def test_input_stride_saves_every_sth_input_by_hand():
 def test_estimate_of_qk_norms_and_experts_against_what_autograd_saves(shape, kw):
     """q/k norms save their inputs and scales (exactly counted); a mixture's MLP saves the
     router's softmax and top k, and per routed row the gathered input, gate, up, silu, product,
-    the experts' output and its weighted copy: counted to within 2% (a little over: the top-k
+    the experts' output in token order and two permutations: counted to within 2% (a little over: the top-k
     values and the renormalised weights share storage where norm_topk_prob is off)."""
     cfg = ModelConfig.from_shape(shape, **kw)
     rope = 4 * cfg.head_dim * 2 / 2

@@ -303,3 +303,27 @@ def test_megaray_plan_says_when_the_blocks_keep_plain_activations():
     assert "keeping 16 blocks' activations, as plain autograd saves them" in predicted(139.8)
     small = predicted(64)
     assert "plain" not in small and "keeping 16 blocks" not in small
+
+
+def test_a_mixtures_experts_run_at_their_own_rate_by_hand():
+    """A mixture's experts (k of them a token) at cost.EXPERT_TFLOPS by one expert group's work
+    in a micro-batch (rows x width), everything else at the dense rates."""
+    from megaray.cost import Speeds, compute_seconds, expert_rate
+
+    def cfg(mb):
+        return load_config("debug", ["model.shape=qwen3moe30b", "model.num_hidden_layers=2", "train.seq_len=4096",
+                                     f"train.micro_batch_size={mb}", "train.grad_accum=2",
+                                     "train.compute_dtype=bfloat16"])
+
+    c = cfg(1)
+    # 4096 tokens x top-8 over 128 experts: 256 rows an expert, 768 wide: the first point
+    assert expert_rate(c, Speeds()) == pytest.approx(175e12)
+    assert expert_rate(cfg(2), Speeds()) == pytest.approx(226e12)        # 512 rows x 768
+    assert expert_rate(cfg(4), Speeds()) == pytest.approx(245e12)        # beyond the points: the last
+    h, t = 2048, 2 * 4096
+    experts = 2 * 8 * 3 * h * 768                                      # 2 layers' active experts
+    attn = 6 * 2 * h * 4096 * t / (281e12 + (470e12 - 281e12) / 3)
+    dense = c.model.active_params() - experts
+    assert compute_seconds(c, Speeds()) == pytest.approx(6 * t * (dense / 446e12 + experts / 175e12) + attn)
+    assert compute_seconds(c, Speeds(gpu_tflops=300)) == pytest.approx(
+        (6 * t * c.model.active_params() + 6 * 2 * h * 4096 * t) / 300e12)

@@ -16,35 +16,57 @@ import torch.nn.functional as F
 from megaray import fused
 from megaray.bench.attention import median_seconds
 from megaray.config import ModelConfig
+from megaray.cost import active_block_params
+from megaray.layout import build_layout
 from megaray.model import block_forward, rope_tables
+from megaray.moe import expert_linear
 
 
 def _weights(cfg: ModelConfig, gen: torch.Generator, device: str) -> dict:
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    shapes = {"self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
-              "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h),
-              "mlp.down_proj.weight": (h, i)}
-    w = {k: (torch.randn(s, generator=gen, device=device) * 0.02).bfloat16() for k, s in shapes.items()}
-    w["input_layernorm.weight"] = torch.ones(h, device=device, dtype=torch.bfloat16)
-    w["post_attention_layernorm.weight"] = torch.ones(h, device=device, dtype=torch.bfloat16)
+    """The block's views as the layout names them (a mixture's stacked experts and router
+    included): matrices random, norm scales ones, all bf16."""
+    w = {}
+    for v in build_layout(cfg)[1].views:
+        t = torch.ones(v.shape, device=device) if len(v.shape) == 1 else torch.randn(v.shape, generator=gen,
+                                                                                       device=device) * 0.02
+        w[v.key] = t.bfloat16()
     return w
 
 
-PRODUCT_WEIGHTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                   "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+def product_weights(cfg: ModelConfig) -> tuple[str, ...]:
+    """The block's matrices: what its products alone read."""
+    return tuple(v.key for v in build_layout(cfg)[1].views if len(v.shape) >= 2)
 
 
 def _products(w: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """The block's matrix products and causal attention, with nothing between them."""
-    b, s, _ = x.shape
+    """The block's matrix products and causal attention, with nothing between them; a
+    mixture's router and its experts' grouped products over a balanced routing (each expert
+    the same number of the N x k rows)."""
+    b, s, hd_model = x.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q, k, v = (F.linear(x, w[f"self_attn.{n}_proj.weight"]) for n in "qkv")
     a = F.scaled_dot_product_attention(q.view(b, s, nh, hd).transpose(1, 2), k.view(b, s, nkv, hd).transpose(1, 2),
                                        v.view(b, s, nkv, hd).transpose(1, 2), is_causal=True, enable_gqa=nkv != nh)
     o = F.linear(a.transpose(1, 2).reshape(b, s, nh * hd), w["self_attn.o_proj.weight"])
-    return F.linear(F.linear(o, w["mlp.gate_proj.weight"]) + F.linear(o, w["mlp.up_proj.weight"]),
-                    w["mlp.down_proj.weight"])
+    if not cfg.moe:
+        return F.linear(F.linear(o, w["mlp.gate_proj.weight"]) + F.linear(o, w["mlp.up_proj.weight"]),
+                        w["mlp.down_proj.weight"])
+    e, top = cfg.num_experts, cfg.num_experts_per_tok
+    rows = o.reshape(-1, hd_model)
+    n = rows.shape[0] * top
+    offs = torch.linspace(n / e, n, e, device=x.device).round().to(torch.int32)
+    xs = rows.repeat(top, 1)
+    g = expert_linear(xs, w["mlp.experts.gate_proj"], offs)
+    u = expert_linear(xs, w["mlp.experts.up_proj"], offs)
+    y = expert_linear(g + u, w["mlp.experts.down_proj"], offs)
+    return y.view(top, -1, hd_model).sum(0).view(b, s, hd_model) + F.linear(rows, w["mlp.gate.weight"]).sum()
+
+
+def block_flops(cfg: ModelConfig, seq: int, batch: int) -> float:
+    """One block's forward FLOPs over ``batch`` x ``seq`` tokens, as the TFLOP/s figure counts
+    them (``cost.block_forward_seconds``' terms): 2 x active parameters x tokens and causal
+    attention's 2 x hidden x sequence x tokens; a forward and backward is three times it."""
+    return 2.0 * seq * batch * (active_block_params(cfg) + cfg.hidden_size * seq)
 
 
 def _case(cfg: ModelConfig, seq: int, batch: int, reps: int, device: str = "cuda") -> dict:
@@ -71,16 +93,16 @@ def _case(cfg: ModelConfig, seq: int, batch: int, reps: int, device: str = "cuda
     cases = {"forward_s": no_grad(lambda ws, xi: block_forward(ws, xi, rope, cfg)),
              "lean_s": backward(lambda ws, xi: block_forward(ws, xi, rope, cfg, lean=True)),
              "plain_s": backward(lambda ws, xi: block_forward(ws, xi, rope, cfg, lean=False))}
-    row = {"seq": seq, "batch": batch}
+    row = {"seq": seq, "batch": batch, "forward_flops": block_flops(cfg, seq, batch)}
     for mode in ("eager", "fused"):
         fused.configure(enabled=mode == "fused")
         row[mode] = {k: median_seconds(fn, reps) for k, fn in cases.items()}
         if mode == "fused" and not fused.active():
             row["fused_error"] = fused.failure()
     fused.configure()
-    row["products"] = {"forward_s": median_seconds(no_grad(lambda ws, xi: _products(ws, xi, cfg)), reps),
-                       "backward_s": median_seconds(backward(lambda ws, xi: _products(ws, xi, cfg), PRODUCT_WEIGHTS),
-                                                      reps)}
+    products = lambda ws, xi: _products(ws, xi, cfg)      # noqa: E731
+    row["products"] = {"forward_s": median_seconds(no_grad(products), reps),
+                       "backward_s": median_seconds(backward(products, product_weights(cfg)), reps)}
     return row
 
 
@@ -103,5 +125,7 @@ def print_rows(rows: list[dict]) -> None:
         print(f"  {r['shape']} seq {r['seq']} x {r['batch']}: forward {1e3 * e['forward_s']:.2f} eager, "
               f"{1e3 * f['forward_s']:.2f} fused, {1e3 * p['forward_s']:.2f} products alone; lean "
               f"{1e3 * e['lean_s']:.2f} / {1e3 * f['lean_s']:.2f}; plain {1e3 * e['plain_s']:.2f} / "
-              f"{1e3 * f['plain_s']:.2f}; products alone {1e3 * p['backward_s']:.2f}"
+              f"{1e3 * f['plain_s']:.2f}; products alone {1e3 * p['backward_s']:.2f}; TFLOP/s forward and "
+              f"backward: plain fused {3e-12 * r['forward_flops'] / f['plain_s']:.0f}, products alone "
+              f"{3e-12 * r['forward_flops'] / p['backward_s']:.0f}"
               + (f"; fusing failed: {r['fused_error']}" if "fused_error" in r else ""))

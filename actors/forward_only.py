@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from megaray.attention import packing
-from megaray.model import block_forward, embed_forward, head_loss_sum, rms_norm
+from megaray.model import block_forward, embed_forward, head_loss_sum, norm
 from megaray.step import Batch, EvalResult, WorkerTimes
 
 from .calls import actor_guard
@@ -46,10 +46,11 @@ class ForwardOnly:
         """fp32 logits of a small batch [batch, seq] (tests and interop checks); with ``doc``
         (each token's document, [batch, seq]) under document attention."""
         step = self.slots.source.version()
-        pk = ([packing(torch.from_numpy(np.asarray(doc)).to(self.dev.device), self.mcfg.head_dim)]
+        pk = ([packing(torch.from_numpy(np.asarray(doc)).to(self.dev.device), self.mcfg.head_dim,
+                       self.mcfg.local_window)]
               if doc is not None else [None])
         (h,), wh, we = self._forward_only(step, [torch.tensor(tokens, dtype=torch.int64).to(self.dev.device)], pk)
-        h = rms_norm(h, wh["model.norm.weight"], self.mcfg.rms_norm_eps)
+        h = norm(h, wh["model.norm.weight"], self.mcfg)
         out = we["model.embed_tokens.weight"] if self.mcfg.tie_word_embeddings else wh["lm_head.weight"]
         logits = torch.nn.functional.linear(h, out).float().cpu().numpy()
         self.slots.release(len(self.units) - 1)
@@ -65,11 +66,11 @@ class ForwardOnly:
         slots.begin()
         slots.ready(slots.stage(0, step, times, clock), times)
         _, we = slots.weights(0, grad=False)
-        xs = [embed_forward(we, x, self.mcfg.pad_token_id) for x in inputs]
+        xs = [embed_forward(we, x, self.mcfg) for x in inputs]
         for u in range(1, len(self.units)):
             slots.ready(slots.stage(u, step, times, clock), times)
             _, w = slots.weights(u, grad=False)
             if u <= self.num_blocks:
-                xs = [block_forward(w, x, self.rope, self.mcfg, pk=pk) for x, pk in zip(xs, packs)]
+                xs = [block_forward(w, x, self.rope, self.mcfg, pk=pk, layer=u - 1) for x, pk in zip(xs, packs)]
                 slots.release(u)
         return xs, w, we

@@ -42,10 +42,10 @@ from megaray.config import RunConfig
 from megaray.layout import bind
 from megaray.model import (
     IGNORE_INDEX,
+    Ropes,
     block_forward,
     embed_forward,
     head_loss_and_grads,
-    rope_tables,
 )
 from megaray.step import Batch, StepResult, WorkerTimes
 
@@ -78,7 +78,7 @@ class GpuWorker(ForwardOnly):
         self.acts = ActivationPolicy(cfg, self.dev, self.units[1].numel if self.num_blocks else 0, dtype,
                                      handles.slab_bytes if handles.cast_on_device else 0)
         self.shipper = GradientShipper(cfg, handles, self.dev, self.buf, relay)
-        self.rope = rope_tables(self.mcfg, self.mcfg.max_position_embeddings, self.dev.device, torch.float32)
+        self.rope = Ropes(self.mcfg, self.mcfg.max_position_embeddings, self.dev.device, torch.float32)
         self.recompute_lean = memory.StepShape.of(cfg).recompute_lean
 
     def __repr__(self) -> str:
@@ -164,7 +164,7 @@ class GpuWorker(ForwardOnly):
         with torch.no_grad(), clock.span(0):
             _, we = slots.weights(0, grad=False)
             for m in range(micro):
-                acts[0][m] = embed_forward(we, st.inputs[m], self.mcfg.pad_token_id)
+                acts[0][m] = embed_forward(we, st.inputs[m], self.mcfg)
         for i in range(blocks):
             u = i + 1
             slots.ready(st.staged, times)
@@ -175,7 +175,7 @@ class GpuWorker(ForwardOnly):
                     _, w = slots.weights(u, grad=False)
                     for m in range(micro):
                         acts[i + 1][m] = block_forward(w, acts[i][m], self.rope, self.mcfg, mlp_chunk,
-                                                       pk=st.packs[m], routed=routed)
+                                                       pk=st.packs[m], routed=routed, layer=i)
                 if i % policy.stride:       # rebuilt in the backward, from the saved input below
                     acts[i] = [None] * micro
                 elif i < st.offloaded:
@@ -194,7 +194,7 @@ class GpuWorker(ForwardOnly):
                     for m in range(micro):
                         x = acts[i][m].detach().requires_grad_()
                         y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk, lean=st.lean, pk=st.packs[m],
-                                          routed=routed)
+                                          routed=routed, layer=i)
                         pairs.append((x, y))
                         acts[i + 1][m] = y.detach()
                 st.kept[i] = KeptBlock(flat, w, pairs, [r.prob_sum for r in routed or ()])
@@ -283,7 +283,7 @@ class GpuWorker(ForwardOnly):
                     _, w = slots.weights(u, grad=False)
                     for m in range(st.micro_batches):
                         acts[i + 1][m] = block_forward(w, acts[i][m], self.rope, self.mcfg, mlp_chunk,
-                                                       pk=st.packs[m])
+                                                       pk=st.packs[m], layer=i)
                 slots.release(u)
                 continue
             with st.clock.span(u):
@@ -295,7 +295,7 @@ class GpuWorker(ForwardOnly):
                     routed = [] if st.router is not None else None
                     with torch.enable_grad():
                         y = block_forward(w, x, self.rope, self.mcfg, mlp_chunk, lean=self.recompute_lean,
-                                          pk=st.packs[m], routed=routed)
+                                          pk=st.packs[m], routed=routed, layer=i)
                         aux = (routed[0].prob_sum, st.router.grad) if routed else None
                         dys[m] = self._block_backward(self.units[u], w, y, x, dys[m], g, aux)
             slots.release(u)
@@ -304,7 +304,7 @@ class GpuWorker(ForwardOnly):
             emb_flat, we = slots.weights(0, grad=True)
             for m in range(st.micro_batches):
                 with torch.enable_grad():
-                    y = embed_forward(we, st.inputs[m], self.mcfg.pad_token_id)
+                    y = embed_forward(we, st.inputs[m], self.mcfg)
                     (gw,) = torch.autograd.grad(y, [emb_flat], grad_outputs=dys[m])
                 st.g_embed += gw
         slots.release(0)
@@ -394,7 +394,7 @@ class GpuWorker(ForwardOnly):
         packs = [None] * toks.shape[0]
         if batch.doc is not None:
             d = torch.from_numpy(np.asarray(batch.doc)[..., :-1]).to(self.dev.device)
-            packs = [packing(d[m], self.mcfg.head_dim) for m in range(d.shape[0])]
+            packs = [packing(d[m], self.mcfg.head_dim, self.mcfg.local_window) for m in range(d.shape[0])]
         return toks[..., :-1], targets, packs
 
     # ------------------------------------------------------------------ outside training steps

@@ -5,7 +5,9 @@ its own document (where RoPE restarts) and a mask that keeps it to its document'
 tokens. On CUDA the mask is a FlexAttention block mask built from the documents' block ranges
 (``document_block_mask``: block-sparse and fused, never [s, s], so long rows keep working);
 on the CPU, for toy heads, or without FlexAttention (torch 2.4), a dense boolean mask for
-SDPA. Causal attention is SDPA's own (flash on CUDA).
+SDPA. Causal attention is SDPA's own (flash on CUDA). A sliding window (Gemma 3's local
+blocks) is one more condition of the same masks, combined with the documents'
+(``Packing.window_mask``; ``window_mask`` for rows without documents).
 """
 from __future__ import annotations
 
@@ -38,40 +40,77 @@ class Packing:
     [b, s], non-decreasing along a row), its position in that document (``pos``, where RoPE
     restarts) and the attention mask that keeps a token to its own document's earlier tokens:
     a FlexAttention block mask on CUDA (block-sparse, fused; never [s, s]), a dense boolean
-    [b, 1, s, s] mask for SDPA elsewhere (the CPU, tiny rows) or where FlexAttention is missing."""
+    [b, 1, s, s] mask for SDPA elsewhere (the CPU, tiny rows) or where FlexAttention is missing.
+    ``window_mask``, for a model with sliding-window blocks, also keeps a token to the window
+    of tokens before it: the document's and the window's masks combined."""
     doc: torch.Tensor
     pos: torch.Tensor
     mask: object
+    window_mask: object = None
 
     @property
     def flex(self) -> bool:
         return not isinstance(self.mask, torch.Tensor)
 
 
-def packing(doc: torch.Tensor, head_dim: int | None = None) -> Packing:
+def _uses_flex(doc: torch.Tensor, head_dim: int | None) -> bool:
+    b, s = doc.shape
+    return bool(doc.is_cuda and create_block_mask is not None
+                and (head_dim or FLEX_MIN_HEAD_DIM) >= FLEX_MIN_HEAD_DIM and (_FLEX_RAGGED or s % FLEX_BLOCK == 0))
+
+
+def packing(doc: torch.Tensor, head_dim: int | None = None, window: int | None = None) -> Packing:
     """The Packing of a micro-batch from its tokens' document ids (int [b, s], on the device
-    the blocks run on). FlexAttention's kernels need heads of at least ``FLEX_MIN_HEAD_DIM``:
-    smaller ones (toy models) take the dense mask on CUDA too."""
+    the blocks run on), with the windowed mask too where ``window`` is given. FlexAttention's
+    kernels need heads of at least ``FLEX_MIN_HEAD_DIM``: smaller ones (toy models) take the
+    dense mask on CUDA too."""
     doc = doc.to(torch.int32).contiguous()
     b, s = doc.shape
     first = torch.searchsorted(doc, doc, side="left")          # each token's document start
     pos = torch.arange(s, device=doc.device).expand(b, s) - first
-    if (doc.is_cuda and create_block_mask is not None and (head_dim or FLEX_MIN_HEAD_DIM) >= FLEX_MIN_HEAD_DIM
-            and (_FLEX_RAGGED or s % FLEX_BLOCK == 0)):
-        mask = document_block_mask(doc)
+    if _uses_flex(doc, head_dim):
+        masks = [document_block_mask(doc, w) for w in (None, window)]
     else:
-        causal = torch.ones(s, s, dtype=torch.bool, device=doc.device).tril()
-        mask = ((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
-    return Packing(doc, pos, mask)
+        masks = [dense_mask(doc, w) for w in (None, window)]
+    return Packing(doc, pos, masks[0], masks[1] if window else None)
 
 
-def document_block_mask(doc: torch.Tensor):
-    """FlexAttention's BlockMask of same-document causal attention, built from the documents'
-    block ranges (never from a [s, s] mask, which ``create_block_mask`` would materialize:
-    17 GB at 131,072 tokens). With ``doc`` non-decreasing along each row, kv block j < i
-    shares a document with q block i exactly when j's last document is i's first, and is
-    *full* (no element masked) when both blocks hold that one document alone; the diagonal
-    and blocks holding the row's end are always partial (masked element by element)."""
+def dense_mask(doc: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """SDPA's boolean [b, 1, s, s] mask of same-document causal attention, within ``window``
+    tokens (the query's own included) where given."""
+    s = doc.shape[1]
+    i = torch.arange(s, device=doc.device)
+    allowed = i[:, None] >= i[None, :]
+    if window:
+        allowed &= i[:, None] - i[None, :] < window
+    return ((doc[:, :, None] == doc[:, None, :]) & allowed).unsqueeze(1)
+
+
+def window_mask(b: int, s: int, window: int, device, head_dim: int | None = None):
+    """The mask of causal rows of ``s`` tokens attending within ``window`` tokens (no
+    documents): a FlexAttention block mask or a dense one, as ``packing`` chooses; built once
+    per shape and device."""
+    key = (b, s, window, str(device), head_dim)
+    if key not in _WINDOW_MASKS:
+        if len(_WINDOW_MASKS) >= 8:
+            _WINDOW_MASKS.pop(next(iter(_WINDOW_MASKS)))
+        _WINDOW_MASKS[key] = packing(torch.zeros(b, s, dtype=torch.int32, device=device), head_dim,
+                                     window).window_mask
+    return _WINDOW_MASKS[key]
+
+
+_WINDOW_MASKS: dict = {}
+
+
+def document_block_mask(doc: torch.Tensor, window: int | None = None):
+    """FlexAttention's BlockMask of same-document causal attention, within ``window`` tokens
+    where given, built from the documents' block ranges (never from a [s, s] mask, which
+    ``create_block_mask`` would materialize: 17 GB at 131,072 tokens). With ``doc``
+    non-decreasing along each row, kv block j < i shares a document with q block i exactly when
+    j's last document is i's first, and is *full* (no element masked) when both blocks hold
+    that one document alone and, with a window, its farthest pair lies within it; a pair of
+    blocks whose nearest tokens lie beyond the window is skipped; the diagonal and blocks
+    holding the row's end are always partial (masked element by element)."""
     b, s = doc.shape
     n = -(-s // FLEX_BLOCK)
     padded = F.pad(doc, (0, n * FLEX_BLOCK - s), mode="replicate") if n * FLEX_BLOCK > s else doc
@@ -84,6 +123,10 @@ def document_block_mask(doc: torch.Tensor):
     whole[-1] = n * FLEX_BLOCK == s
     one_doc = (first == last) & whole                                    # [b, n]
     full = shares & one_doc[:, :, None] & one_doc[:, None, :]
+    if window:
+        apart = (i[:, None] - i[None, :]) * FLEX_BLOCK                     # [n, n]: q block start - kv block start
+        shares = shares & (apart - FLEX_BLOCK + 1 < window)              # the nearest pair within the window
+        full = full & (apart + FLEX_BLOCK - 1 < window)                  # the farthest pair too
     partial = (shares & ~full) | torch.eye(n, dtype=torch.bool, device=doc.device)
 
     def as_kv(m):        # counts and indices (the listed blocks first, in order), [b, 1, n] and [b, 1, n, n]
@@ -93,9 +136,12 @@ def document_block_mask(doc: torch.Tensor):
     def same_document_causal(bi, h, qi, ki):
         return (doc[bi, qi] == doc[bi, ki]) & (qi >= ki)
 
+    def same_document_window(bi, h, qi, ki):
+        return (doc[bi, qi] == doc[bi, ki]) & (qi >= ki) & (qi - ki < window)
+
     ragged = {"seq_lengths": (s, s)} if _FLEX_RAGGED else {}
     return BlockMask.from_kv_blocks(*as_kv(partial), *as_kv(full), BLOCK_SIZE=FLEX_BLOCK,
-                                    mask_mod=same_document_causal, **ragged)
+                                    mask_mod=same_document_window if window else same_document_causal, **ragged)
 
 
 @functools.cache
@@ -134,16 +180,20 @@ def packing_mask_bytes(b: int, s: int, flex: bool) -> int:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, nh: int, nkv: int,
-               pk: Packing | None) -> torch.Tensor:
-    """Causal attention, or with ``pk`` each document's own: q [b, nh, s, hd], k, v [b, nkv, s, hd]."""
+              mask=None, scale: float | None = None) -> torch.Tensor:
+    """Causal attention (``mask`` None), or under ``mask``: a FlexAttention block mask or SDPA's
+    boolean one (``Packing``'s, ``window_mask``'s). q [b, nh, s, hd], k, v [b, nkv, s, hd];
+    ``scale`` multiplies the scores (None: 1/sqrt(hd))."""
     global _flex_compiled
-    if pk is not None and pk.flex:
+    if mask is not None and not isinstance(mask, torch.Tensor):
         if not q.is_cuda:       # eager (unfused) off the GPU: the tests' check of the block mask
-            return flex_attention(q, k, v, block_mask=pk.mask, enable_gqa=nkv != nh)
+            return flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=nkv != nh)
         if _flex_compiled is None:
             _flex_compiled = torch.compile(flex_attention, dynamic=False)
-        return _flex_compiled(q, k, v, block_mask=pk.mask, enable_gqa=nkv != nh)
-    kw = {"attn_mask": pk.mask} if pk is not None else {"is_causal": True}
+        return _flex_compiled(q, k, v, block_mask=mask, scale=scale, enable_gqa=nkv != nh)
+    kw = {"attn_mask": mask} if mask is not None else {"is_causal": True}
+    if scale is not None:
+        kw["scale"] = scale
     if nkv != nh and SDPA_GQA:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
     if nkv != nh:

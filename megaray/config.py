@@ -338,7 +338,7 @@ class RunConfig:
             raise ConfigError("worker.count", f"{self.worker.count} workers cannot share train.grad_accum="
                                               f"{self.train.grad_accum} micro-batches evenly")
         sw = self.model.sliding_window
-        if sw is not None and self.train.seq_len > sw:
+        if sw is not None and self.model.layer_types is None and self.train.seq_len > sw:
             raise ConfigError("model.from", f"sliding_window={sw} is shorter than train.seq_len={self.train.seq_len}; "
                                             "megaray computes full causal attention")
         if self.train.seq_len > self.model.max_position_embeddings:

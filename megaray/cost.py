@@ -37,6 +37,7 @@ from megaray.adamw import writes_clipped_gradient
 from megaray.config import RunConfig
 from megaray.layout import build_layout
 from megaray.memory import anchors
+from megaray.model import flops_per_step
 
 # G params/s per core of the update (16 processes x 1 thread, summed, / 16): by
 # (master, moments, gradient) storage; the host's bf16 copy costs about 20% more.
@@ -132,8 +133,16 @@ def block_forward_seconds(cfg: RunConfig, speeds: Speeds) -> float:
     attention (2 x hidden x sequence x tokens)."""
     m, t = cfg.model, cfg.train
     attn = rates(cfg, speeds)[1]
+    per_block = attention_flops(cfg) / 3.0 / max(1, m.num_hidden_layers)
     return (_product_seconds(cfg, speeds, active_block_params(m), expert_params(m), t.tokens_per_step)
-            + 2.0 * t.tokens_per_step * m.hidden_size * t.seq_len / attn)
+            + per_block / attn)
+
+
+def attention_flops(cfg: RunConfig) -> float:
+    """A step's attention FLOPs (forward and backward, every block): 6 x hidden x seq x tokens a
+    block, a sliding-window block's what its window computes (``model.flops_per_step``)."""
+    m, t = cfg.model, cfg.train
+    return flops_per_step(m, t.tokens_per_step, t.seq_len) - 6.0 * m.active_params() * t.tokens_per_step
 
 
 def active_block_params(m) -> int:
@@ -152,14 +161,14 @@ def compute_seconds(cfg: RunConfig, speeds: Speeds, recomputed: int = 0) -> floa
     work: document masking does less, which the plan cannot know in advance) and for
     ``recomputed`` blocks' forwards again (``block_forward_seconds`` each): the matrix
     products (6 x active parameters x tokens; a mixture's experts at ``expert_rate``) and the
-    attention (6 x layers x hidden x sequence x tokens), each at its rate (``rates``)."""
+    attention (6 x layers x hidden x sequence x tokens, a sliding-window block's what its
+    window computes), each at its rate (``rates``)."""
     m, t = cfg.model, cfg.train
     tokens = t.tokens_per_step
     attn = rates(cfg, speeds)[1]
     L = m.num_hidden_layers
     return (3.0 * _product_seconds(cfg, speeds, m.active_params(), L * expert_params(m), tokens)
-            + 6.0 * L * m.hidden_size * t.seq_len * tokens / attn
-            + recomputed * block_forward_seconds(cfg, speeds))
+            + attention_flops(cfg) / attn + recomputed * block_forward_seconds(cfg, speeds))
 
 
 def reference_update_rate(cfg: RunConfig, cores: int | None = None) -> float:

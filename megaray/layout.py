@@ -141,10 +141,12 @@ def _mlp_entries(cfg: ModelConfig, p: str) -> list[tuple]:
 # another: the same values in the same order as Llama's apart, so one flat layout serves both
 FUSED = ("Phi3ForCausalLM",)
 
-# a block's two RMSNorm scales by model.norm_placement: before attention and the MLP (Llama),
-# or on their outputs (OLMo 2), in Hugging Face's names
+# a block's RMSNorm scales by model.norm_placement: before attention and the MLP (Llama), on
+# their outputs (OLMo 2), or both (Gemma 3), in Hugging Face's names
 BLOCK_NORMS = {"pre": ("input_layernorm.weight", "post_attention_layernorm.weight"),
-               "post": ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")}
+               "post": ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"),
+               "sandwich": ("input_layernorm.weight", "post_attention_layernorm.weight",
+                            "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")}
 
 
 def build_layout(cfg: ModelConfig) -> list[UnitLayout]:

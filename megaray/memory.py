@@ -74,6 +74,12 @@ def block_internal_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, mlp_chunk
         attn += s * (q + kv) + 4 * scales
     if cfg.moe:           # the first norm as in the dense block; the MLP is moe_bytes_per_token's
         return 4 + attn + (0 if lean else s * h) + moe_bytes_per_token(cfg, s, fused)
+    if cfg.norm_placement == "sandwich":   # Gemma 3, plain autograd: the inputs of the norms after the
+        # first (attention's output, the residual, the MLP's output) and the outputs of the two
+        # before attention and the MLP, four fp32 scales; gate, up and the product (and GELU's
+        # output, run eagerly), or with the MLP chunked nothing beyond its input
+        mlp = 0 if mlp_chunked else (3 if fused else 4) * s * i
+        return attn + 5 * s * h + 4 * 4 + mlp
     norms = 2 * 4 + s * h * (2 if mlp_chunked else 1)     # two scales; norm 2's input (and output, chunked)
     mlp = 0 if mlp_chunked else 2 * s * i       # gate and up
     plain = 0 if lean else s * h + (0 if mlp_chunked else s * h + (1 if fused else 2) * s * i)
@@ -275,10 +281,14 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
             sh.embed_numel * (4 + 8 + s) + n_res * sh.block_numel * per_block)
     if cast_slab_bytes:
         items["fp32 staging of the on-device cast"] = cast_slab_bytes
-    if document_attention_possible(cfg):    # every micro-batch's mask, positions and document ids, for the step
-        mb, seq = t.micro_batch_size, t.seq_len
+    flex = create_block_mask is not None
+    mb, seq = t.micro_batch_size, t.seq_len
+    windows = 2 if cfg.model.local_window else 1     # sliding-window blocks: a windowed mask beside each
+    if document_attention_possible(cfg):    # every micro-batch's masks, positions and document ids, for the step
         items["document attention (masks, positions)"] = (sh.tokens // sh.micro_tokens) * (
-            packing_mask_bytes(mb, seq, flex=create_block_mask is not None) + 12 * mb * seq)
+            windows * packing_mask_bytes(mb, seq, flex=flex) + 12 * mb * seq)
+    elif cfg.model.local_window:            # causal rows: one windowed mask, built once
+        items["sliding-window mask"] = packing_mask_bytes(mb, seq, flex=flex)
     return items
 
 

@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from megaray.attention import Packing, attention
+from megaray.attention import Packing, attention, window_mask
 from megaray.config import ModelConfig
 from megaray.fused import fused
 from megaray.layout import UnitLayout
@@ -50,7 +50,7 @@ def init_param(s, cfg: ModelConfig, seed: int, out: torch.Tensor) -> torch.Tenso
     elif s.name.endswith("bias"):
         out.zero_()
     else:
-        out.fill_(1.0)
+        out.fill_(1.0 - cfg.norm_offset)      # a norm scales by 1 at the start (Gemma's weight 0 + offset 1)
     return out
 
 
@@ -167,6 +167,18 @@ def _swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
+@fused
+def _geglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated MLP product: GELU (tanh approximation) of the gate, times up."""
+    return F.gelu(g, approximate="tanh") * u
+
+
+# model.hidden_act: the gated product, the activation alone, and its backward (autograd's own)
+GATED = {"silu": (_swiglu, F.silu, torch.ops.aten.silu_backward),
+         "gelu_pytorch_tanh": (_geglu, lambda g: F.gelu(g, approximate="tanh"),
+                               lambda d, g: torch.ops.aten.gelu_backward(d, g, approximate="tanh"))}
+
+
 def _swiglu_grads_inplace(g: torch.Tensor, u: torch.Tensor, dp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sg = F.silu(g)
     du = sg.mul_(dp)        # silu(gate) becomes the up projection's gradient
@@ -222,20 +234,69 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _rms_norm_forward(x, weight, eps)[0]
 
 
+@fused
+def _offset_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                         offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma's RMSNorm: (x / rms(x)) x (offset + weight) in fp32, cast back last; also 1/rms."""
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd * (offset + weight.float())).to(x.dtype), rstd
+
+
+@fused
+def _offset_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                          offset: float, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gradients of the input and the weight of ``_offset_norm_forward``, in fp32."""
+    n = x.float() * rstd
+    dyf = dy.float()
+    dw = (dyf * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype) if need_dw else None
+    dn = dyf * (offset + weight.float())
+    dx = rstd * (dn - n * (dn * n).mean(-1, keepdim=True))
+    return dx.to(x.dtype), dw
+
+
+class _OffsetRMSNorm(torch.autograd.Function):
+    """Gemma's RMSNorm saving its input as it came and one fp32 scale per token (as ``_RMSNorm``)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset):
+        out, rstd = _offset_norm_forward(x, weight, eps, offset)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = _offset_norm_backward(dy, x, weight, rstd, ctx.offset, ctx.needs_input_grad[1])
+        return dx, dw, None, None
+
+
+def norm(x: torch.Tensor, weight: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The model's RMSNorm: Llama's (``rms_norm``: the normalised input cast, then scaled), or
+    with ``model.norm_offset`` Gemma's (scaled by offset + weight in fp32, then cast)."""
+    if not cfg.norm_offset:
+        return rms_norm(x, weight, cfg.rms_norm_eps)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _OffsetRMSNorm.apply(x, weight, cfg.rms_norm_eps, cfg.norm_offset)
+    return _offset_norm_forward(x, weight, cfg.rms_norm_eps, cfg.norm_offset)[0]
+
+
 class _ChunkedMLP(torch.autograd.Function):
     """SwiGLU MLP over the sequence in chunks of ``chunk`` tokens, each recomputed in the
     backward: what stays alive is the MLP's input and one chunk's intermediates, never the
     four [tokens, intermediate] tensors of a whole long sequence."""
 
     @staticmethod
-    def forward(ctx, h, wg, wu, wd, chunk):
+    def forward(ctx, h, wg, wu, wd, chunk, act="silu"):
         ctx.save_for_backward(h, wg, wu, wd)
-        ctx.chunk = chunk
+        ctx.chunk, ctx.act = chunk, act
+        gated = GATED[act][0]
         flat = h.reshape(-1, h.shape[-1])
         out = torch.empty(flat.shape[0], wd.shape[0], dtype=h.dtype, device=h.device)
         for a in range(0, flat.shape[0], chunk):
             c = flat[a:a + chunk]
-            out[a:a + chunk] = F.linear(_swiglu(F.linear(c, wg), F.linear(c, wu)), wd)
+            out[a:a + chunk] = F.linear(gated(F.linear(c, wg), F.linear(c, wu)), wd)
         return out.view(*h.shape[:-1], wd.shape[0])
 
     @staticmethod
@@ -246,6 +307,7 @@ class _ChunkedMLP(torch.autograd.Function):
         the up projection, silu(gate) and, in turn, their product, the gate's gradient or the
         up projection's."""
         h, wg, wu, wd = ctx.saved_tensors
+        _, act, act_backward = GATED[ctx.act]
         acc = torch.promote_types(h.dtype, torch.float32)     # fp32 sums for bf16, fp64 stays fp64
         flat, dflat = h.reshape(-1, h.shape[-1]), dy.reshape(-1, dy.shape[-1])
         dh = torch.empty_like(flat)
@@ -253,39 +315,44 @@ class _ChunkedMLP(torch.autograd.Function):
         for a in range(0, flat.shape[0], ctx.chunk):
             c, d = flat[a:a + ctx.chunk], dflat[a:a + ctx.chunk]
             g, u = F.linear(c, wg), F.linear(c, wu)
-            sg = F.silu(g)
+            sg = act(g)
             dwd += d.t().mm(sg * u).to(acc)
             dp = d.mm(wd)                       # the product's gradient
             du = sg.mul_(dp)                    # silu(gate) becomes the up projection's gradient
             dp.mul_(u)                          # and the product's gradient silu(gate)'s
             del sg, u
-            dg = torch.ops.aten.silu_backward(dp, g)
+            dg = act_backward(dp, g)
             del dp, g
             dwg += dg.t().mm(c).to(acc)
             dwu += du.t().mm(c).to(acc)
             dh[a:a + ctx.chunk] = dg.mm(wg) + du.mm(wu)
-        return dh.view(h.shape), dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype), None
+        return dh.view(h.shape), dwg.to(wg.dtype), dwu.to(wu.dtype), dwd.to(wd.dtype), None, None
 
 
-def mlp(h: torch.Tensor, w: dict, chunk: int | None = None) -> torch.Tensor:
-    """SwiGLU MLP; along the sequence in chunks (recomputed in backward) when the input holds
-    more than ``chunk`` tokens."""
+def mlp(h: torch.Tensor, w: dict, chunk: int | None = None, act: str = "silu") -> torch.Tensor:
+    """The gated MLP (SwiGLU, or with ``act`` gelu_pytorch_tanh Gemma's); along the sequence in
+    chunks (recomputed in backward) when the input holds more than ``chunk`` tokens."""
     wg, wu, wd = w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"], w["mlp.down_proj.weight"]
     if chunk and h.numel() // h.shape[-1] > chunk:
-        return _ChunkedMLP.apply(h, wg, wu, wd, chunk)
-    return F.linear(_swiglu(F.linear(h, wg), F.linear(h, wu)), wd)
+        return _ChunkedMLP.apply(h, wg, wu, wd, chunk, act)
+    return F.linear(GATED[act][0](F.linear(h, wg), F.linear(h, wu)), wd)
 
 
-def rope_tables(cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32):
+def rope_tables(cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32, local: bool = False):
     """cos, sin of shape [seq_len, rotary_dim] (``model.partial_rotary_factor`` of head_dim),
-    with llama3 frequency scaling, or LongRoPE's (its long factors for rows longer than the
-    original length, its short ones otherwise, as transformers picks them; cos and sin times
-    its attention factor), when configured."""
+    with linear, llama3 frequency scaling, or LongRoPE's (its long factors for rows longer than
+    the original length, its short ones otherwise, as transformers picks them; cos and sin times
+    its attention factor), when configured. ``local``: the sliding-window blocks' tables
+    (``model.rope_local_theta``, unscaled)."""
     dim = cfg.rotary_dim
-    base = cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    base = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     inv_freq = 1.0 / base
-    rs, scale = cfg.rope_scaling, 1.0
-    if rs is not None and rs.get("rope_type", rs.get("type")) == "longrope":
+    rs, scale = (None if local else cfg.rope_scaling), 1.0
+    kind = None if rs is None else rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / rs["factor"]
+    elif kind == "longrope":
         old = rs["original_max_position_embeddings"]
         ext = torch.tensor(rs["long_factor"] if seq_len > old else rs["short_factor"], dtype=torch.float32)
         inv_freq = 1.0 / (ext * base)
@@ -305,6 +372,21 @@ def rope_tables(cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32
     freqs = torch.outer(pos, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return (emb.cos() * scale).to(device=device, dtype=dtype), (emb.sin() * scale).to(device=device, dtype=dtype)
+
+
+class Ropes:
+    """Every block's rotary tables: ``rope_tables``' for the full-attention blocks, and with
+    ``model.rope_local_theta`` the sliding-window blocks' own (Gemma 3). ``ropes[i]`` is block
+    i's (cos, sin)."""
+
+    def __init__(self, cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32):
+        self.cfg = cfg
+        self.full = rope_tables(cfg, seq_len, device, dtype)
+        self.local = (rope_tables(cfg, seq_len, device, dtype, local=True) if cfg.rope_local_theta is not None
+                      else self.full)
+
+    def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.local if self.cfg.window(layer) else self.full
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -327,57 +409,79 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
 
-def embed_forward(w: dict, tokens: torch.Tensor, padding_idx: int | None = None) -> torch.Tensor:
-    """The embedding lookup; the ``padding_idx`` row (``model.pad_token_id``) gets no gradient
-    from it, as transformers' nn.Embedding gives it none."""
-    return F.embedding(tokens, w["model.embed_tokens.weight"], padding_idx=padding_idx)
+def embed_forward(w: dict, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The embedding lookup; the ``model.pad_token_id`` row gets no gradient from it, as
+    transformers' nn.Embedding gives it none; with ``model.scale_embeddings`` (Gemma 3) times
+    sqrt(hidden_size), the factor rounded to the weights' dtype as transformers rounds it."""
+    weight = w["model.embed_tokens.weight"]
+    out = F.embedding(tokens, weight, padding_idx=cfg.pad_token_id)
+    if cfg.scale_embeddings:
+        out = out * torch.tensor(cfg.hidden_size ** 0.5, dtype=weight.dtype, device=weight.device)
+    return out
 
 
-def block_forward(w: dict, x: torch.Tensor, rope: tuple, cfg: ModelConfig, mlp_chunk: int | None = None,
-                  lean: bool = True, pk: Packing | None = None, routed: list | None = None) -> torch.Tensor:
-    """One decoder block: x + attn(norm(x)), then + mlp(norm(.)); with ``model.norm_placement``
-    post (OLMo 2) x + norm(attn(x)), then + norm(mlp(.)). x: [B, S, H]. With ``pk``
-    (document attention) RoPE takes each token's position in its document and attention
-    stays inside each document. A mixture of experts' MLP is ``moe_mlp`` (``routed`` collects
-    what its router did; ``mlp_chunk`` and ``lean`` concern the dense MLP only).
+def block_forward(w: dict, x: torch.Tensor, rope, cfg: ModelConfig, mlp_chunk: int | None = None,
+                  lean: bool = True, pk: Packing | None = None, routed: list | None = None,
+                  layer: int = 0) -> torch.Tensor:
+    """Decoder block ``layer``: x + attn(norm(x)), then + mlp(norm(.)); with
+    ``model.norm_placement`` post (OLMo 2) x + norm(attn(x)), then + norm(mlp(.)); sandwich
+    (Gemma 3) x + norm(attn(norm(x))), then + norm(mlp(norm(.))). x: [B, S, H]. ``rope``:
+    ``Ropes`` (block ``layer``'s tables taken from it) or one (cos, sin) for every block. With
+    ``pk`` (document attention) RoPE takes each token's position in its document and attention
+    stays inside each document; a sliding-window block (``model.layer_types``) also keeps each
+    token to the window before it. A mixture of experts' MLP is ``moe_mlp`` (``routed``
+    collects what its router did; ``mlp_chunk`` and ``lean`` concern the dense MLP only).
 
     Grouped-query attention hands the kv heads to SDPA as they are where torch supports it
     (``enable_gqa``), never materializing the repeated keys and values; ``mlp_chunk`` see ``mlp``.
     ``lean`` (under autograd): each norm is fused with the projections that read it
     (``_NormLinears``, ``_NormSwiGLU``), so the saved activations are about half of plain
-    autograd's for the same forward arithmetic; the bench's baseline runs ``lean=False``."""
+    autograd's for the same forward arithmetic; the bench's baseline runs ``lean=False``.
+    OLMo 2's and Gemma 3's blocks run as plain autograd (their norms stand on outputs)."""
     b, s, _ = x.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    cos, sin = rope[layer] if isinstance(rope, Ropes) else rope
     if pk is None:
-        cos, sin = rope[0][:s], rope[1][:s]
+        cos, sin = cos[:s], sin[:s]
     else:
-        cos, sin = rope[0][pk.pos].unsqueeze(1), rope[1][pk.pos].unsqueeze(1)
+        cos, sin = cos[pk.pos].unsqueeze(1), sin[pk.pos].unsqueeze(1)
+    window = cfg.window(layer)
+    if window is None:
+        mask = None if pk is None else pk.mask
+    else:
+        mask = pk.window_mask if pk is not None else window_mask(b, s, window, x.device, hd)
     eps = cfg.rms_norm_eps
     lean = lean and torch.is_grad_enabled()
     post = cfg.norm_placement == "post"           # OLMo 2: the norms on attention's and the MLP's outputs
+    sandwich = cfg.norm_placement == "sandwich"   # Gemma 3: on the inputs and the outputs
     wqkv = [w["self_attn.q_proj.weight"], w.get("self_attn.q_proj.bias"), w["self_attn.k_proj.weight"],
             w.get("self_attn.k_proj.bias"), w["self_attn.v_proj.weight"], w.get("self_attn.v_proj.bias")]
     if post:
         q, k, v = (F.linear(x, wqkv[j], wqkv[j + 1]) for j in (0, 2, 4))
-    elif lean:
+    elif lean and not sandwich:
         q, k, v = _NormLinears.apply(x, w["input_layernorm.weight"], eps, *wqkv)
     else:
-        h = rms_norm(x, w["input_layernorm.weight"], eps)
+        h = norm(x, w["input_layernorm.weight"], cfg)
         q, k, v = (F.linear(h, wqkv[j], wqkv[j + 1]) for j in (0, 2, 4))
     if cfg.qk_norm and cfg.qk_norm_scope == "projection":     # over the whole projections (OLMoE)
-        q = rms_norm(q, w["self_attn.q_norm.weight"], eps)
-        k = rms_norm(k, w["self_attn.k_norm.weight"], eps)
+        q = norm(q, w["self_attn.q_norm.weight"], cfg)
+        k = norm(k, w["self_attn.k_norm.weight"], cfg)
     q = q.view(b, s, nh, hd)
     k = k.view(b, s, nkv, hd)
     if cfg.qk_norm and cfg.qk_norm_scope == "head":
-        q = rms_norm(q, w["self_attn.q_norm.weight"], eps)
-        k = rms_norm(k, w["self_attn.k_norm.weight"], eps)
+        q = norm(q, w["self_attn.q_norm.weight"], cfg)
+        k = norm(k, w["self_attn.k_norm.weight"], cfg)
     q = apply_rope(q.transpose(1, 2), cos.to(q.dtype), sin.to(q.dtype))
     k = apply_rope(k.transpose(1, 2), cos.to(k.dtype), sin.to(k.dtype))
     v = v.view(b, s, nkv, hd).transpose(1, 2)
-    a = attention(q, k, v, nh, nkv, pk)
+    scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
+    a = attention(q, k, v, nh, nkv, mask, scale)
     a = a.transpose(1, 2).reshape(b, s, nh * hd)
     o = F.linear(a, w["self_attn.o_proj.weight"])
+    if sandwich:
+        x = x + norm(o, w["post_attention_layernorm.weight"], cfg)
+        m = mlp(norm(x, w["pre_feedforward_layernorm.weight"], cfg), w, mlp_chunk, cfg.hidden_act)
+        return x + norm(m, w["post_feedforward_layernorm.weight"], cfg)
     if post:
         x = x + rms_norm(o, w["post_attention_layernorm.weight"], eps)
         return x + rms_norm(mlp(x, w, mlp_chunk), w["post_feedforward_layernorm.weight"], eps)
@@ -398,7 +502,7 @@ def head_loss_sum(w_head: dict, w_embed: dict | None, x: torch.Tensor, targets: 
     x: [N, H] final hidden states of N tokens; targets: [N] (IGNORE_INDEX is skipped).
     The logits of the chunk are computed in fp32.
     """
-    h = rms_norm(x, w_head["model.norm.weight"], cfg.rms_norm_eps)
+    h = norm(x, w_head["model.norm.weight"], cfg)
     out = w_embed["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w_head["lm_head.weight"]
     logits = F.linear(h, out).float()
     loss = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
@@ -425,7 +529,7 @@ def head_loss_and_grads(w_head: dict, w_embed: dict | None, x: torch.Tensor, tar
     gradient and one fp32 [LOSS_ROWS, V] block (``megaray.memory.loss_chunk_bytes`` counts
     two). Same math as ``head_loss_sum`` + backward, to fp32 rounding.
     """
-    h = rms_norm(x, w_head["model.norm.weight"], cfg.rms_norm_eps)
+    h = norm(x, w_head["model.norm.weight"], cfg)
     out = w_embed["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w_head["lm_head.weight"]
     logits = F.linear(h, out)
     grad = torch.empty_like(logits)
@@ -445,12 +549,31 @@ def head_loss_and_grads(w_head: dict, w_embed: dict | None, x: torch.Tensor, tar
     return loss, grads
 
 
-def flops_per_step(cfg: ModelConfig, tokens: int, seq_len: int, square_lengths: int | None = None) -> float:
+def flops_per_step(cfg: ModelConfig, tokens: int, seq_len: int, square_lengths: int | None = None,
+                   window_square_lengths: int | None = None) -> float:
     """ARCHITECTURE.md's formula: 6 x params x tokens + 6 x layers x hidden x seq x tokens, with
     a mixture of experts' *active* parameters (``ModelConfig.active_params``: k experts a token,
     the whole router). Under document attention the attention's term counts each document's
     own work: ``square_lengths``, the sum of the step's documents' squared lengths
     (``Batch.square_document_lengths``), in place of seq x tokens (a causal row is one
-    document of seq tokens: rows x seq^2 = seq x tokens)."""
+    document of seq tokens: rows x seq^2 = seq x tokens). A sliding-window block (Gemma 3's
+    local blocks) counts only what its window computes: a document of d tokens under a window
+    of W, d^2 - (d - W)^2 where d > W (``window_square_lengths``; rows of seq tokens where not
+    given)."""
     pairs = seq_len * tokens if square_lengths is None else square_lengths
-    return 6.0 * cfg.active_params() * tokens + 6.0 * cfg.num_hidden_layers * cfg.hidden_size * pairs
+    L, window = cfg.num_hidden_layers, cfg.local_window
+    local = 0 if window is None else sum(1 for i in range(L) if cfg.window(i))
+    if local:
+        if window_square_lengths is None:
+            window_square_lengths = tokens // seq_len * windowed_square(seq_len, window)
+        attention = (L - local) * pairs + local * window_square_lengths
+    else:
+        attention = L * pairs
+    return 6.0 * cfg.active_params() * tokens + 6.0 * cfg.hidden_size * attention
+
+
+def windowed_square(length: int, window: int) -> int:
+    """A document's attention work under a window, in squared-length units: length^2 less the
+    (length - window)^2 pairs the window drops (``Batch.square_document_lengths`` likewise)."""
+    over = max(0, length - window)
+    return length * length - over * over

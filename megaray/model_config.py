@@ -12,7 +12,7 @@ from megaray.shapes import SHAPES
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """A Llama-family decoder, in Hugging Face config.json terms.
+    """A Llama-family decoder (Gemma 3, Phi-3 and OLMo 2 its variants), in Hugging Face config.json terms.
 
     In YAML, ``shape`` names a registered shape (``megaray.shapes``) whose values are the
     defaults; any key given beside it overrides that value (``ModelConfig.from_shape`` in code).
@@ -42,7 +42,8 @@ class ModelConfig:
     rope_theta: float = 10000.0
     """Rotary embedding base."""
     rope_scaling: dict | None = None
-    """Rotary scaling, HF style: rope_type 'llama3' (its factor, low_freq_factor,
+    """Rotary scaling, HF style: rope_type 'linear' (positions divided by its factor: Gemma 3's
+    global blocks), 'llama3' (its factor, low_freq_factor,
     high_freq_factor, original_max_position_embeddings), 'longrope' (Phi-3.5, Phi-4-mini: a
     short_factor and a long_factor of rotary_dim / 2 values each, original_max_position_embeddings,
     optionally factor and attention_factor; the long factors serve rows longer than the
@@ -62,10 +63,30 @@ class ModelConfig:
     """What a q/k norm normalises: 'head' (each head's head_dim values: Qwen3, Qwen3-MoE) or
     'projection' (the whole q and k projections, with weights of their widths: OLMoE)."""
     norm_placement: str = "pre"
-    """Where a block's two RMSNorms stand: 'pre' (Llama: before attention, ``input_layernorm``,
-    and before the MLP, ``post_attention_layernorm``) or 'post' (OLMo 2: on attention's output,
+    """Where a block's RMSNorms stand: 'pre' (Llama: before attention, ``input_layernorm``,
+    and before the MLP, ``post_attention_layernorm``), 'post' (OLMo 2: on attention's output,
     ``post_attention_layernorm``, and on the MLP's, ``post_feedforward_layernorm``, each
-    before its residual add; nothing normalises a block's input)."""
+    before its residual add; nothing normalises a block's input) or 'sandwich' (Gemma 3: four,
+    before and after attention and before and after the MLP: ``input_layernorm``,
+    ``post_attention_layernorm``, ``pre_feedforward_layernorm``, ``post_feedforward_layernorm``)."""
+    norm_offset: float = 0.0
+    """Added to every RMSNorm's weight before it scales: 1.0 for Gemma 3 (its norms scale by
+    1 + weight, computed in fp32 before the cast; the weights start at 0), 0 for the others."""
+    hidden_act: str = "silu"
+    """The MLP's gate activation: 'silu' (SwiGLU) or 'gelu_pytorch_tanh' (Gemma 3's GELU with
+    the tanh approximation)."""
+    scale_embeddings: bool = False
+    """Gemma 3: the embedding's output times sqrt(hidden_size), the factor rounded to the
+    weights' dtype as transformers rounds it."""
+    query_pre_attn_scalar: float | None = None
+    """Attention's scores are scaled by this to the power -1/2 (Gemma 3); null: head_dim's."""
+    layer_types: list | None = None
+    """Per block, 'sliding_attention' (a window of ``sliding_window`` tokens: a token sees itself
+    and the window - 1 before it) or 'full_attention' (Gemma 3's 5 local : 1 global); null:
+    every block full attention."""
+    rope_local_theta: float | None = None
+    """The rotary base of the sliding-window blocks (Gemma 3's rope_local_base_freq, no
+    scaling); the full-attention blocks use rope_theta and rope_scaling."""
     num_experts: int = 0
     """Experts of every block's mixture-of-experts MLP; 0: a dense SwiGLU MLP (config.json's
     num_experts, or num_local_experts for Mixtral)."""
@@ -89,8 +110,9 @@ class ModelConfig:
     initializer_range: float = 0.02
     """Standard deviation of the normal initialization of matrices."""
     sliding_window: int | None = None
-    """Mistral's attention window; megaray computes full causal attention, so sequences may
-    not be longer than this."""
+    """The attention window. With ``layer_types`` the window of the sliding blocks; without,
+    Mistral's (and Phi-3's) window over every block, where megaray computes full causal
+    attention, so sequences may not be longer than it."""
     architecture: str | None = None
     """Hugging Face architecture name (set from model.from; used by megaray export)."""
 
@@ -120,8 +142,8 @@ class ModelConfig:
                                                     f"(got {self.pad_token_id})")
         if self.qk_norm_scope not in ("head", "projection"):
             raise ConfigError("model.qk_norm_scope", f"must be head or projection (got {self.qk_norm_scope!r})")
-        if self.norm_placement not in ("pre", "post"):
-            raise ConfigError("model.norm_placement", f"must be pre or post (got {self.norm_placement!r})")
+        if self.norm_placement not in ("pre", "post", "sandwich"):
+            raise ConfigError("model.norm_placement", f"must be pre, post or sandwich (got {self.norm_placement!r})")
         if self.norm_placement == "post" and (self.num_experts or not self.qk_norm
                                               or self.qk_norm_scope != "projection" or self.attention_bias):
             raise ConfigError("model.norm_placement", "post norms are OLMo 2's, a dense family with q/k norms over "
@@ -145,6 +167,40 @@ class ModelConfig:
                                                              "must be a positive even number of dimensions")
         if self.rope_scaling is not None:
             self._check_rope_scaling()
+        self._check_gemma_keys()
+
+    def _check_gemma_keys(self) -> None:
+        """Gemma 3's keys: per-block windows, the four norms, the activation."""
+        if self.norm_placement == "sandwich" and (self.moe or self.attention_bias):
+            raise ConfigError("model.norm_placement", "sandwich norms are Gemma 3's, a dense family without "
+                                                      "attention biases")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ConfigError("model.hidden_act", f"must be silu or gelu_pytorch_tanh (got {self.hidden_act!r})")
+        if self.query_pre_attn_scalar is not None and self.query_pre_attn_scalar <= 0:
+            raise ConfigError("model.query_pre_attn_scalar", f"must be > 0 (got {self.query_pre_attn_scalar})")
+        if self.layer_types is None:
+            return
+        kinds = ("sliding_attention", "full_attention")
+        if len(self.layer_types) != self.num_hidden_layers or any(t not in kinds for t in self.layer_types):
+            raise ConfigError("model.layer_types", f"must list {self.num_hidden_layers} of {kinds}, one a block "
+                                                   f"(got {self.layer_types!r})")
+        if "sliding_attention" in self.layer_types and not (isinstance(self.sliding_window, int)
+                                                            and self.sliding_window > 0):
+            raise ConfigError("model.sliding_window", "a positive window is needed where layer_types has "
+                                                      f"sliding_attention (got {self.sliding_window!r})")
+
+    def window(self, layer: int) -> int | None:
+        """Block ``layer``'s attention window (tokens a query sees, itself included), or None
+        for full causal attention."""
+        if self.layer_types is not None and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def local_window(self) -> int | None:
+        """The sliding-window blocks' window, or None where every block attends fully."""
+        windowed = self.layer_types is not None and "sliding_attention" in self.layer_types
+        return self.sliding_window if windowed else None
 
     @property
     def rotary_dim(self) -> int:
@@ -155,9 +211,11 @@ class ModelConfig:
         rs = self.rope_scaling
         kind = rs.get("rope_type", rs.get("type"))
         need = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+                "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+                "linear": ("factor",)}
         if kind not in need:
-            raise ConfigError("model.rope_scaling", f"rope_type {kind!r} is not supported (llama3 or longrope)")
+            raise ConfigError("model.rope_scaling", f"rope_type {kind!r} is not supported (llama3, longrope or "
+                                                    "linear)")
         for k in need[kind]:
             if k not in rs:
                 raise ConfigError(f"model.rope_scaling.{k}", f"is required for rope_type {kind!r}")
@@ -214,7 +272,7 @@ class ModelConfig:
         """The count with ``experts`` experts' matrices a block (and the whole router)."""
         h, i, L = self.hidden_size, self.intermediate_size, self.num_hidden_layers
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        block = 2 * h + h * q + 2 * h * kv + q * h
+        block = (4 if self.norm_placement == "sandwich" else 2) * h + h * q + 2 * h * kv + q * h
         block += (experts * 3 * h * self.moe_intermediate_size + self.num_experts * h) if self.moe else 3 * h * i
         if self.attention_bias:
             block += q + 2 * kv

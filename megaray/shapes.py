@@ -41,6 +41,26 @@ def moe_shape(*, hidden: int, layers: int, heads: int, kv_heads: int, experts: i
     return shape
 
 
+def gemma3_shape(*, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, head_dim: int = 256,
+                 vocab: int = 262208, window: int = 1024, pattern: int = 6, scalar: float = 256.0,
+                 rope_factor: float | None = 8.0, max_pos: int = 131072) -> dict:
+    """Gemma 3's text model: a window of ``window`` tokens on five blocks of every ``pattern``,
+    full attention on the sixth (its rotary base 1e6, linearly scaled by ``rope_factor``; the
+    local blocks' 1e4), four (1 + w) norms a block, q/k norms, GELU-tanh, the embedding scaled
+    by sqrt(hidden), tied."""
+    return dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, rope_scaling=None if rope_factor is None else {"rope_type": "linear",
+                                                                            "factor": rope_factor},
+        rope_local_theta=10000.0, max_position_embeddings=max_pos, tie_word_embeddings=True, qk_norm=True,
+        norm_placement="sandwich", norm_offset=1.0, hidden_act="gelu_pytorch_tanh", scale_embeddings=True,
+        query_pre_attn_scalar=scalar, sliding_window=window, pad_token_id=0,
+        layer_types=["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)],
+        architecture="Gemma3ForCausalLM",
+    )
+
+
 SHAPES: dict[str, dict] = {
     "debug": llama_shape(hidden=32, layers=2, heads=4, kv_heads=2, intermediate=64, vocab=256,
                          rope_theta=10000.0, max_pos=1024, llama3_rope=False),
@@ -77,6 +97,11 @@ SHAPES: dict[str, dict] = {
     "phi4": {**llama_shape(hidden=5120, layers=40, heads=40, kv_heads=10, intermediate=17920, vocab=100352,
                            tied=False, rope_theta=250000.0, max_pos=16384, llama3_rope=False),
              "architecture": "Phi3ForCausalLM"},
+    # Gemma 3 12B's text model: 11.77B parameters (the 262k vocabulary's embedding is 1.01B of them)
+    "gemma3_12b": gemma3_shape(hidden=3840, layers=48, heads=16, kv_heads=8, intermediate=15360),
+    # the tests' Gemma 3: a window of 4 on blocks 0 and 2, full attention on block 1
+    "debug_gemma3": gemma3_shape(hidden=32, layers=3, heads=4, kv_heads=2, intermediate=64, head_dim=8, vocab=256,
+                                 window=4, pattern=2, scalar=12.0, rope_factor=2.0, max_pos=1024),
     # Mixtral-8x7B: 46.7B parameters, 12.9B active
     "mixtral8x7b": moe_shape(hidden=4096, layers=32, heads=32, kv_heads=8, experts=8, top_k=2, expert_width=14336,
                              vocab=32000, norm_topk=True, eps=1e-5, arch="MixtralForCausalLM"),

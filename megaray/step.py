@@ -106,10 +106,11 @@ class Batch:
         shape = np.shape(self.tokens)
         return int(np.prod(shape[:-1])) * (shape[-1] - 1)
 
-    def square_document_lengths(self) -> int | None:
+    def square_document_lengths(self, window: int | None = None) -> int | None:
         """The sum over the batch's documents of their squared lengths in input tokens (a
         document ends where its row ends), or None without document attention: what
-        ``model.flops_per_step`` counts the attention's work by."""
+        ``model.flops_per_step`` counts the attention's work by. With ``window``, what a
+        sliding window leaves of each (``model.windowed_square``)."""
         if self.doc is None:
             return None
         rows = np.asarray(self.doc)[..., :-1]
@@ -118,6 +119,9 @@ class Batch:
         starts[:, 1:] = rows[:, 1:] != rows[:, :-1]
         begin = np.flatnonzero(starts.ravel())
         lengths = np.diff(np.append(begin, rows.size)).astype(np.int64)
+        if window is not None:
+            over = np.clip(lengths - window, 0, None)
+            return int((lengths * lengths - over * over).sum())
         return int((lengths * lengths).sum())
 
     def _arrays(self) -> tuple:

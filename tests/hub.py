@@ -64,6 +64,8 @@ def assert_adam_close(weights: dict, want: dict, lr: float) -> None:
     cancels, so all but a few elements in a thousand agree to 1e-6 and none is off by more
     than a small part of one step (test_parity's bound)."""
     for name, t in want.items():
+        if name == "lm_head.weight" and name not in weights:     # tied: the embedding, compared as itself
+            continue
         diff = (torch.from_numpy(weights[name]).double() - t.double()).abs()
         assert float((diff > 1e-6).float().mean()) < 2e-3, (name, int((diff > 1e-6).sum()))
         assert float(diff.max()) < 0.05 * lr, name

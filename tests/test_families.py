@@ -1,5 +1,6 @@
 """The dense families beyond Llama's (issue 46) against transformers' own classes: OLMo 2
-(norms on attention's and the MLP's outputs, q/k norms over the whole projections). A random
+(norms on attention's and the MLP's outputs, q/k norms over the whole projections), Phi-3
+(fused matrices, partial rotary, LongRoPE) and Gemma 3 (sliding windows, four (1 + w) norms). A random
 small model transformers made and saved as the Hub stores it is read by megaray's reader; the
 templates' logits and every parameter's gradient equal transformers' to fp32 rounding, and a
 few steps through the actors equal transformers with torch's AdamW, then export and reload.
@@ -22,7 +23,14 @@ from hub import (  # noqa: E402
 )
 
 from megaray.layout import bind  # noqa: E402
-from megaray.model import IGNORE_INDEX, block_forward, embed_forward, head_loss_sum, rms_norm, rope_tables  # noqa: E402
+from megaray.model import (  # noqa: E402
+    IGNORE_INDEX,
+    Ropes,
+    block_forward,
+    embed_forward,
+    head_loss_sum,
+    norm,
+)
 
 SMALL = dict(vocab_size=256, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, rms_norm_eps=1e-6)
@@ -37,7 +45,30 @@ FAMILIES = {   # transformers' config and model classes, what the family sets, w
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=1, eos_token_id=2, max_position_embeddings=32,
                                                    original_max_position_embeddings=8, rope_parameters=LONGROPE),
              dict(partial_rotary_factor=0.5, rotary_dim=4)),
+    # Gemma 3: a window of 4 tokens on block 0 (rows of 6 and 10 are longer), full attention on
+    # block 1 with linear RoPE scaling, each kind its own base; four (1 + w) norms a block, q/k
+    # norms, GELU-tanh, the embedding times sqrt(32), scores scaled by 12^-1/2, tied
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(head_dim=8, query_pre_attn_scalar=12, sliding_window=4, pad_token_id=0, eos_token_id=1,
+                    bos_token_id=2, max_position_embeddings=32, layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
+               dict(norm_placement="sandwich", norm_offset=1.0, scale_embeddings=True, hidden_act="gelu_pytorch_tanh",
+                    query_pre_attn_scalar=12.0, sliding_window=4, rope_local_theta=1000.0, rope_theta=100000.0,
+                    rope_scaling={"rope_type": "linear", "factor": 2.0}, tie_word_embeddings=True,
+                    layer_types=["sliding_attention", "full_attention"])),
 }
+
+
+def megaray_logits(w: list, tokens: torch.Tensor, cfg) -> torch.Tensor:
+    """The templates' logits of ``tokens`` [b, s]: every block with its own rotary tables and
+    window, the final norm, the head (the embedding where tied)."""
+    x = embed_forward(w[0], tokens, cfg)
+    ropes = Ropes(cfg, tokens.shape[1])
+    for i in range(cfg.num_hidden_layers):
+        x = block_forward(w[i + 1], x, ropes, cfg, layer=i)
+    out = w[0]["model.embed_tokens.weight"] if cfg.tie_word_embeddings else w[-1]["lm_head.weight"]
+    return x, torch.nn.functional.linear(norm(x, w[-1]["model.norm.weight"], cfg), out)
 
 
 def hf_model(family: str, folder, seed: int = 0):
@@ -66,22 +97,12 @@ def test_logits_and_gradients_equal_transformers(family, tmp_path):
     w = [bind(f, u) for u, f in zip(units, flats)]
     with torch.no_grad():                    # a row within the original length too (LongRoPE's short factors)
         short = torch.randint(0, cfg.vocab_size, (2, 6))
-        x = embed_forward(w[0], short, cfg.pad_token_id)
-        rope = rope_tables(cfg, 6)
-        for i in range(cfg.num_hidden_layers):
-            x = block_forward(w[i + 1], x, rope, cfg)
-        logits = torch.nn.functional.linear(rms_norm(x, w[-1]["model.norm.weight"], cfg.rms_norm_eps),
-                                            w[-1]["lm_head.weight"])
-        torch.testing.assert_close(logits, ref(input_ids=short).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(megaray_logits(w, short, cfg)[1], ref(input_ids=short).logits,
+                                   rtol=1e-5, atol=1e-5)
     inp = torch.randint(0, cfg.vocab_size, (2, 10))
     tgt = torch.cat([inp[:, 1:], torch.full((2, 1), IGNORE_INDEX)], dim=1)   # transformers' shift of labels=inp
     out = ref(input_ids=inp, labels=inp)
-    x = embed_forward(w[0], inp, cfg.pad_token_id)
-    rope = rope_tables(cfg, inp.shape[1])
-    for i in range(cfg.num_hidden_layers):
-        x = block_forward(w[i + 1], x, rope, cfg)
-    logits = torch.nn.functional.linear(rms_norm(x, w[-1]["model.norm.weight"], cfg.rms_norm_eps),
-                                        w[-1]["lm_head.weight"])
+    x, logits = megaray_logits(w, inp, cfg)
     torch.testing.assert_close(logits, out.logits, rtol=1e-5, atol=1e-5)
     ce_sum, n = head_loss_sum(w[-1], w[0], x.reshape(-1, cfg.hidden_size), tgt.reshape(-1), cfg)
     torch.testing.assert_close(ce_sum / n, out.loss, rtol=1e-5, atol=1e-6)
@@ -128,22 +149,27 @@ def test_training_through_the_actors_equals_transformers_and_adamw(ray_cluster, 
         back = getattr(transformers, FAMILIES[family][1]).from_pretrained(tmp_path / "export", dtype=torch.float32)
     assert not said, said
     for name, t in back.state_dict().items():
-        assert torch.equal(t, torch.from_numpy(weights[name])), name
+        held = "model.embed_tokens.weight" if name == "lm_head.weight" and cfg.model.tie_word_embeddings else name
+        assert torch.equal(t, torch.from_numpy(weights[held])), name
     torch.testing.assert_close(back(torch.from_numpy(batches[0].reshape(2, 13)[:, :-1])).logits,
                                torch.from_numpy(ours.copy()), rtol=1e-5, atol=1e-5)
 
 
-def test_the_memory_model_counts_what_an_olmo2_block_saves(tmp_path):
-    """An OLMo 2 block runs as plain autograd whether or not the worker asks for a lean one:
-    the plan counts it so, within 10% of what autograd holds for a block's backward (measured
-    here with saved-tensor hooks, storage by storage, the block's input and weights apart)."""
+@pytest.mark.parametrize("family", ["olmo2", "gemma3"])
+def test_the_memory_model_counts_what_a_post_norm_block_saves(tmp_path, family):
+    """OLMo 2's and Gemma 3's blocks run as plain autograd whether or not the worker asks for a
+    lean one: the plan counts them so, within 10% of what autograd holds for a block's backward
+    (measured here with saved-tensor hooks, storage by storage, the block's input and weights
+    apart; Gemma's full-attention block, whose attention on the CPU saves what flash attention
+    saves on the GPU)."""
     from megaray.memory import block_internal_bytes_per_token
 
-    hf_model("olmo2", tmp_path)
+    hf_model(family, tmp_path)
     cfg, units, flats = megaray_units(tmp_path)
-    w = bind(flats[1].detach().requires_grad_(), units[1])
+    layer = 1
+    w = bind(flats[1 + layer].detach().requires_grad_(), units[1 + layer])
     x = torch.randn(1, 64, cfg.hidden_size, requires_grad=True)
-    rope = rope_tables(cfg, 64)
+    rope = Ropes(cfg, 64)
     skip = {x.untyped_storage().data_ptr()} | {t.untyped_storage().data_ptr() for t in w.values()}
     seen: dict[int, int] = {}
 
@@ -154,8 +180,48 @@ def test_the_memory_model_counts_what_an_olmo2_block_saves(tmp_path):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block_forward(w, x, rope, cfg, lean=True)
+        block_forward(w, x, rope, cfg, lean=True, layer=layer)
     per_token = sum(seen.values()) / 64
     counted = block_internal_bytes_per_token(cfg, 4, lean=True)
     assert counted == block_internal_bytes_per_token(cfg, 4, lean=False)
     assert abs(counted - per_token) <= 0.1 * per_token, (counted, per_token)
+
+
+def test_the_hubs_multimodal_gemma3_folder_is_read_for_its_text_model(tmp_path):
+    """The Hub's Gemma 3 4B-27B folders are Gemma3ForConditionalGeneration: a sparse text_config
+    (transformers' defaults left out) and the text model's tensors under language_model.model.
+    (transformers 4's files) or model.language_model. (5's), beside a vision tower. megaray
+    reads the text model: the same config and weights, so the same logits, as the text-only
+    folder; the vision tower's tensors are left out."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    ref = hf_model("gemma3", tmp_path / "text")
+    text = json.loads((tmp_path / "text" / "config.json").read_text())
+    tensors = load_file(tmp_path / "text" / "model.safetensors")
+    keep = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "vocab_size", "sliding_window", "layer_types", "rope_parameters", "query_pre_attn_scalar",
+            "max_position_embeddings", "rms_norm_eps")
+    for prefix in ("language_model.model.", "model.language_model."):
+        folder = tmp_path / prefix.replace(".", "_")
+        folder.mkdir()
+        vision = "vision_tower.vision_model.embeddings.patch_embedding.weight"
+        save_file({**{prefix + k.split(".", 1)[1]: v for k, v in tensors.items()},
+                   ("model." if prefix.startswith("model.") else "") + vision: torch.zeros(4, 3, 2, 2)},
+                  folder / "model.safetensors")
+        text_config = {"model_type": "gemma3_text", **{k: text[k] for k in keep}}
+        if prefix.startswith("language_model"):       # transformers 4's keys, as the Hub's files have them
+            for k in ("layer_types", "rope_parameters"):
+                del text_config[k]
+            text_config.update(sliding_window_pattern=2, rope_theta=100000.0, rope_local_base_freq=1000.0,
+                               rope_scaling={"factor": 2.0, "rope_type": "linear"})
+        (folder / "config.json").write_text(json.dumps({
+            "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text_config,
+            "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8}}))
+        cfg, units, flats = megaray_units(folder)
+        assert cfg.architecture == "Gemma3ForCausalLM" and cfg.norm_offset == 1.0 and cfg.scale_embeddings
+        w = [bind(f, u) for u, f in zip(units, flats)]
+        tok = torch.randint(0, cfg.vocab_size, (1, 9))
+        with torch.no_grad():
+            torch.testing.assert_close(megaray_logits(w, tok, cfg)[1], ref(input_ids=tok).logits, rtol=1e-5, atol=1e-5)

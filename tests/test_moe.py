@@ -92,7 +92,7 @@ def test_logits_router_loss_and_gradients_equal_transformers(family, tmp_path):
 
     out = ref(input_ids=inp, labels=inp, output_router_logits=True)
     w = [bind(f, u) for u, f in zip(units, flats)]
-    x, routed = embed_forward(w[0], inp, cfg.pad_token_id), []
+    x, routed = embed_forward(w[0], inp, cfg), []
     rope = rope_tables(cfg, inp.shape[1])
     for i in range(cfg.num_hidden_layers):
         x = block_forward(w[i + 1], x, rope, cfg, routed=routed)

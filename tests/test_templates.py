@@ -106,7 +106,7 @@ def test_whole_model_chunked_loss_matches_reference(case):
     inp, tgt = tok[:, :-1], tok[:, 1:]
     rope = rope_tables(cfg, 12, dtype=torch.float64)
     w = [bind(f, u) for u, f in zip(units, flats)]
-    x = embed_forward(w[0], inp)
+    x = embed_forward(w[0], inp, cfg)
     for i in range(cfg.num_hidden_layers):
         x = block_forward(w[i + 1], x, rope, cfg)
     xf, tf = x.reshape(-1, cfg.hidden_size), tgt.reshape(-1)

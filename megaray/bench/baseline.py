@@ -13,7 +13,7 @@ import torch.nn as nn
 from megaray import fused
 from megaray.config import RunConfig
 from megaray.layout import EXPERTS, build_layout
-from megaray.model import block_forward, embed_forward, rms_norm, rope_tables
+from megaray.model import Ropes, block_forward, embed_forward, norm
 
 
 class BaselineLlama(nn.Module):
@@ -31,17 +31,17 @@ class BaselineLlama(nn.Module):
                 t = (torch.stack([torch.tensor(state[n]) for n in names]) if v.key.startswith(EXPERTS)
                      else torch.tensor(state[names[0]]))     # copies: training never writes into ``state``
                 self.params[f"{u.index}__{v.key}".replace(".", "__")] = nn.Parameter(t.to(device).reshape(v.shape))
-        self.rope = rope_tables(cfg, cfg.max_position_embeddings, device)
+        self.rope = Ropes(cfg, cfg.max_position_embeddings, device)
 
     def _w(self, unit) -> dict:
         return {v.key: self.params[f"{unit.index}__{v.key}".replace(".", "__")] for v in unit.views}
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = embed_forward(self._w(self.units[0]), tokens, self.cfg.pad_token_id)
+        x = embed_forward(self._w(self.units[0]), tokens, self.cfg)
         for u in self.units[1:-1]:
-            x = block_forward(self._w(u), x, self.rope, self.cfg, lean=False)   # plain autograd
+            x = block_forward(self._w(u), x, self.rope, self.cfg, lean=False, layer=u.index - 1)   # plain autograd
         wh = self._w(self.units[-1])
-        h = rms_norm(x, wh["model.norm.weight"], self.cfg.rms_norm_eps)
+        h = norm(x, wh["model.norm.weight"], self.cfg)
         tied = self.cfg.tie_word_embeddings
         out = self._w(self.units[0])["model.embed_tokens.weight"] if tied else wh["lm_head.weight"]
         logits = (h @ out.t()).float()

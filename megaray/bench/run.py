@@ -109,7 +109,8 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
     batches = [Batch(b, doc=document_ids(rng, b.shape, documents) if documents else None) for b in tokens]
     causal = flops_per_step(cfg.model, tokens_per_step, t.seq_len)      # the baseline's work
     # megaray's work per step: under document attention, each document's own
-    flops = [flops_per_step(cfg.model, tokens_per_step, t.seq_len, b.square_document_lengths()) for b in batches]
+    flops = [flops_per_step(cfg.model, tokens_per_step, t.seq_len, b.square_document_lengths(),
+                            b.square_document_lengths(cfg.model.local_window)) for b in batches]
     out: dict = {"shape": cfg.model.shape, "params": cfg.model.num_params(), "seq_len": t.seq_len,
                  "attention": f"document (mean length {documents})" if documents else "causal",
                  "tokens_per_step": tokens_per_step, "micro_batch": t.micro_batch_size, "grad_accum": t.grad_accum,

@@ -3,7 +3,8 @@
 ``megaray.hf.read`` turns a model directory (config.json and safetensors) into a model config
 and master weights; ``megaray.hf.export`` writes a checkpoint back as a model directory that
 transformers loads. Supported architectures: LlamaForCausalLM, MistralForCausalLM,
-Qwen2ForCausalLM, Qwen3ForCausalLM, Olmo2ForCausalLM and Phi3ForCausalLM (Phi-3, Phi-4),
+Qwen2ForCausalLM, Qwen3ForCausalLM, Olmo2ForCausalLM, Phi3ForCausalLM (Phi-3, Phi-4) and
+Gemma3ForCausalLM (Gemma 3's text model),
 and the mixtures of experts Qwen3MoeForCausalLM,
 MixtralForCausalLM and OlmoeForCausalLM, whose parameter names are megaray's own
 (``megaray.layout`` uses Hugging Face's names, each expert's matrices and Phi-3's fused
@@ -18,6 +19,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Olmo2ForCausalLM": "olmo2",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3_text",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",

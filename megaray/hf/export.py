@@ -24,6 +24,7 @@ from megaray.leftovers import remove_dead_tmp
 def hf_config_dict(model, architecture: str | None, source: dict | None = None) -> dict:
     """A transformers config.json for ``model`` (a ModelConfig)."""
     arch = architecture or ("Olmo2ForCausalLM" if model.norm_placement == "post" else
+                            "Gemma3ForCausalLM" if model.norm_placement == "sandwich" else
                             "Qwen3ForCausalLM" if model.qk_norm else
                             "Qwen2ForCausalLM" if model.attention_bias else "LlamaForCausalLM")
     out = dict(source or {})
@@ -32,7 +33,7 @@ def hf_config_dict(model, architecture: str | None, source: dict | None = None) 
         "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
         "intermediate_size": model.intermediate_size, "num_hidden_layers": model.num_hidden_layers,
         "num_attention_heads": model.num_attention_heads, "num_key_value_heads": model.num_key_value_heads,
-        "head_dim": model.head_dim, "rms_norm_eps": model.rms_norm_eps, "hidden_act": "silu",
+        "head_dim": model.head_dim, "rms_norm_eps": model.rms_norm_eps, "hidden_act": model.hidden_act,
         "max_position_embeddings": model.max_position_embeddings,
         "tie_word_embeddings": model.tie_word_embeddings, "torch_dtype": "float32",
         "rope_theta": model.rope_theta, "rope_scaling": model.rope_scaling,
@@ -46,6 +47,14 @@ def hf_config_dict(model, architecture: str | None, source: dict | None = None) 
         out["attention_bias"] = model.attention_bias
     if kind in ("mistral", "mixtral", "phi3"):
         out["sliding_window"] = model.sliding_window
+    if kind == "gemma3_text":
+        scalar = model.query_pre_attn_scalar      # transformers' field is an int (168, 256)
+        out.update(hidden_activation=model.hidden_act,
+                   query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
+                   sliding_window=model.sliding_window, layer_types=list(model.layer_types),
+                   rope_local_base_freq=model.rope_local_theta, attention_bias=False,
+                   final_logit_softcapping=None, attn_logit_softcapping=None)
+        out.pop("sliding_window_pattern", None)
     if kind == "phi3":
         out["partial_rotary_factor"] = model.partial_rotary_factor
         rs = model.rope_scaling

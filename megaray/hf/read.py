@@ -2,8 +2,9 @@
 
 Loading is a copy per tensor, upcast to the master's dtype, a tensor a thread on every core:
 safetensors files are memory-mapped and read tensor by tensor, never whole. Anything the
-templates do not implement (another architecture, an MLP bias, a sliding window shorter than
-the sequence, another rope type) is refused with the key named.
+templates do not implement (another architecture, an MLP bias, a window over every block
+shorter than the sequence, another rope type, Gemma's soft-capping) is refused with the key
+named.
 """
 from __future__ import annotations
 
@@ -19,6 +20,14 @@ from megaray.machine import on_cores
 
 IGNORED_TENSORS = ("rotary_emb.inv_freq",)
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# transformers' Gemma3TextConfig defaults, which the Hub's Gemma 3 config.json files rely on
+GEMMA3_DEFAULTS = dict(vocab_size=262208, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                       hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072, rms_norm_eps=1e-6,
+                       pad_token_id=0, tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                       model_type="gemma3_text")
+# a multimodal checkpoint's text model under these prefixes (transformers 4's files, and 5's),
+# its other towers left out
+TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
 
 
 def read_hf_config(path: str | os.PathLike) -> dict:
@@ -32,23 +41,31 @@ def read_hf_config(path: str | os.PathLike) -> dict:
         raise ConfigError("model.from", f"{p} is not valid JSON: {e}") from None
     if not isinstance(c, dict):
         raise ConfigError("model.from", f"{p} holds a JSON {type(c).__name__}, not an object of config keys")
+    archs = c.get("architectures") or []
+    if archs[:1] == ["Gemma3ForConditionalGeneration"] or c.get("model_type") == "gemma3":
+        # the Hub's Gemma 3 (4B and up) is multimodal: its text model's keys are text_config's
+        c = {**(c.get("text_config") or {}), "architectures": ["Gemma3ForCausalLM"]}
+        archs = c["architectures"]
+    if archs[:1] == ["Gemma3ForCausalLM"] or c.get("model_type") == "gemma3_text":
+        c = {**GEMMA3_DEFAULTS, **c}        # the Hub's Gemma 3 configs leave transformers' defaults out
+    arch = archs[0] if archs else {v: k for k, v in ARCHITECTURES.items()}.get(c.get("model_type"))
+    if arch not in ARCHITECTURES:
+        raise ConfigError("model.from", f"{p}: architecture {archs or c.get('model_type')} is not supported "
+                                        f"(supported: {sorted(ARCHITECTURES)})")
+    kind = ARCHITECTURES[arch]
     missing = [k for k in _REQUIRED if k not in c]
     if missing:
         raise ConfigError("model.from", f"{p} lacks the required key(s) {missing}")
     bad = [k for k in _REQUIRED if not isinstance(c[k], int) or isinstance(c[k], bool) or c[k] <= 0]
     if bad:
         raise ConfigError("model.from", f"{p}: {', '.join(f'{k}={c[k]!r}' for k in bad)} must be positive integers")
-    archs = c.get("architectures") or []
-    arch = archs[0] if archs else {v: k for k, v in ARCHITECTURES.items()}.get(c.get("model_type"))
-    if arch not in ARCHITECTURES:
-        raise ConfigError("model.from", f"{p}: architecture {archs or c.get('model_type')} is not supported "
-                                        f"(supported: {sorted(ARCHITECTURES)})")
-    kind = ARCHITECTURES[arch]
 
     def refuse(key: str, why: str):
         raise ConfigError("model.from", f"{p}: {key}={c.get(key)!r} is not supported: {why}")
 
-    if c.get("hidden_act", "silu") != "silu":
+    if kind == "gemma3_text":
+        _check_gemma3(c, refuse)
+    elif c.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", "the MLP is SwiGLU with silu")
     if c.get("mlp_bias", False):
         refuse("mlp_bias", "MLP projections have no bias")
@@ -59,6 +76,10 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     if kind == "olmo2" and c.get("attention_bias"):
         refuse("attention_bias", "OLMo 2's projections have no biases")
     rope = dict(c.get("rope_parameters") or {})
+    if kind == "gemma3_text":        # transformers 5 keys them by layer type; the Hub's files use rope_theta & co
+        local_rope = rope.get("sliding_attention") or {}
+        rope = dict(rope.get("full_attention") or {})
+        rope.setdefault("rope_theta", 1000000.0)
     theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
     partial = float(c.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
     scaling = c.get("rope_scaling")
@@ -73,8 +94,10 @@ def read_hf_config(path: str | os.PathLike) -> dict:
         scaling = {k: v for k, v in scaling.items() if k not in ("type", "partial_rotary_factor")}
         scaling = {**scaling, "rope_type": "longrope", "original_max_position_embeddings": scaling.get(
             "original_max_position_embeddings", c.get("original_max_position_embeddings"))}
-    if scaling is not None and kind_of(scaling) not in ("llama3", "longrope"):
-        refuse("rope_scaling", f"rope type {kind_of(scaling)!r}; llama3 or longrope scaling")
+    if scaling is not None and kind_of(scaling) == "linear":
+        scaling = {"rope_type": "linear", "factor": float(scaling["factor"])}
+    if scaling is not None and kind_of(scaling) not in ("llama3", "longrope", "linear"):
+        refuse("rope_scaling", f"rope type {kind_of(scaling)!r}; llama3, longrope or linear scaling")
     heads = c["num_attention_heads"]
     out = dict(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
@@ -93,9 +116,36 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     )
     if kind == "olmo2":     # q/k norms over the whole projections, the block's norms on its outputs
         out.update(qk_norm_scope="projection", norm_placement="post")
+    if kind == "gemma3_text":
+        layers = c["num_hidden_layers"]
+        pattern = c.get("sliding_window_pattern", 6)
+        types = c.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                         for i in range(layers)]
+        out.update(qk_norm=True, norm_placement="sandwich", norm_offset=1.0, scale_embeddings=True,
+                   hidden_act="gelu_pytorch_tanh", tie_word_embeddings=bool(c.get("tie_word_embeddings", True)),
+                   query_pre_attn_scalar=float(c.get("query_pre_attn_scalar", 256)), layer_types=list(types),
+                   sliding_window=c.get("sliding_window", 4096), max_position_embeddings=c.get(
+                       "max_position_embeddings", 131072),
+                   rope_local_theta=float(c.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0))),
+                   pad_token_id=_token(c.get("pad_token_id", 0), c["vocab_size"]))
+        if local_rope.get("rope_type", "default") != "default":
+            refuse("rope_parameters", "the sliding-window blocks' rotary is unscaled (default)")
     if kind in MOE:
         out.update(_experts(c, kind, refuse))
     return out
+
+
+def _check_gemma3(c: dict, refuse) -> None:
+    """Gemma 3's text model as the templates run it: GELU-tanh, no soft-capping, causal."""
+    act = c.get("hidden_activation") or c.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        key = "hidden_activation" if "hidden_activation" in c else "hidden_act"
+        refuse(key, "Gemma 3's MLP is gated by GELU with the tanh approximation (gelu_pytorch_tanh)")
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if c.get(key) is not None:
+            refuse(key, "Gemma 3 caps neither the logits nor the attention scores (null)")
+    if c.get("use_bidirectional_attention"):
+        refuse("use_bidirectional_attention", "attention is causal")
 
 
 def _token(t, vocab: int) -> int | None:
@@ -161,6 +211,15 @@ class SafetensorsSource:
             self.handles[f] = h
             for k in keys:
                 self.where[k] = f
+        # a multimodal checkpoint (the Hub's Gemma 3): its text model's tensors by the text
+        # model's names, the vision tower and projector left out
+        self.stored = {k: k for k in self.where}
+        if any(k.startswith(TEXT_PREFIXES) for k in self.where):
+            self.stored = {}
+            for k in self.where:
+                if k.startswith(TEXT_PREFIXES):
+                    self.stored["model." + k.split(".", 2)[2]] = k
+            self.where = {name: self.where[k] for name, k in self.stored.items()}
         if weight_map:
             missing = sorted(k for k, f in weight_map.items() if self.where.get(k) != f)
             if missing:
@@ -172,7 +231,7 @@ class SafetensorsSource:
     def get(self, name: str) -> torch.Tensor:
         f = self.where[name]
         try:
-            return self.handles[f].get_tensor(name)
+            return self.handles[f].get_tensor(self.stored[name])
         except Exception as e:
             raise ModelFileError(f"{self.path / f}: tensor {name} cannot be read (truncated or corrupt?): "
                                  f"{e}") from None
@@ -190,7 +249,7 @@ def verify_source(units, path: str | os.PathLike) -> SafetensorsSource:
         raise ModelFileError(f"{path}: tensors missing from the safetensors files: {missing[:5]}")
     for name, spec in wanted.items():
         f = src.where[name]
-        shape = tuple(src.handles[f].get_slice(name).get_shape())
+        shape = tuple(src.handles[f].get_slice(src.stored[name]).get_shape())
         if shape != spec.shape:
             raise ModelFileError(f"{src.path / f}: tensor {name} has shape {shape}, config.json implies {spec.shape}")
     return src

@@ -290,69 +290,15 @@ def run_task(task: Task, opts: PrepareOptions, out_dir: str) -> dict:
     t0 = time.perf_counter()
     rss0 = _rss_bytes()
     tok = TextTokenizer(opts.tokenizer)
-    S1 = opts.seq_len + 1
     cols = [opts.text_column] if opts.kind == "pretrain" else [opts.messages_column, opts.prompt_column,
                                                                  opts.response_column]
-    schema = pa.schema([("tokens", pa.list_(pa.int32(), S1)), ("mask", pa.list_(pa.uint8(), S1)),
-                        ("starts", pa.list_(pa.int32()))])
     path = os.path.join(out_dir, f"shard-{task.index:05d}.arrow")
-    stats = {"shard": os.path.basename(path), "rows": 0, "documents": 0, "tokens": 0, "skipped": {},
-             "undecodable_bytes": 0}
+    skipped: dict = {}
     counts: dict = {}
-    buf_t: list[np.ndarray] = []
-    buf_m: list[np.ndarray] = []
-    buf_s: list[np.ndarray] = []          # 1 at each document's first token
-    pending: list[tuple[list[tuple[str, bool]], str]] = []
+    pending: list[list[tuple[str, bool]]] = []     # records' segments waiting for one tokenizer call
     pending_bytes = 0
-    carry_t = np.zeros(0, np.int32)
-    carry_m = np.zeros(0, np.uint8)
-    carry_s = np.zeros(0, np.uint8)
-
-    def write_rows(writer, final: bool):
-        nonlocal carry_t, carry_m, carry_s
-        t = np.concatenate([carry_t, *buf_t]) if buf_t else carry_t
-        m = np.concatenate([carry_m, *buf_m]) if buf_m else carry_m
-        st = np.concatenate([carry_s, *buf_s]) if buf_s else carry_s
-        buf_t.clear()
-        buf_m.clear()
-        buf_s.clear()
-        n = len(t) // S1
-        if final and len(t) % S1:
-            pad = S1 - len(t) % S1
-            t = np.concatenate([t, np.full(pad, tok.eos_id, np.int32)])
-            m = np.concatenate([m, np.zeros(pad, np.uint8)])
-            st = np.concatenate([st, np.eye(1, pad, dtype=np.uint8)[0]])     # the padding: a document of its own
-            n += 1
-        if n:
-            rows_t = pa.FixedSizeListArray.from_arrays(pa.array(t[: n * S1]), S1)
-            rows_m = pa.FixedSizeListArray.from_arrays(pa.array(m[: n * S1]), S1)
-            rows_s = _starts_column(st[: n * S1].reshape(n, S1))
-            writer.write_batch(pa.record_batch([rows_t, rows_m, rows_s], schema=schema))
-            stats["rows"] += n
-        carry_t, carry_m, carry_s = t[n * S1:], m[n * S1:], st[n * S1:]
-
-    def tokenize_pending(writer):
-        nonlocal pending, pending_bytes
-        texts = [text for segs, _ in pending for text, _ in segs]
-        ids = iter(tok.encode(texts))
-        for segs, _ in pending:
-            first = True
-            for _, target in segs:
-                piece = np.asarray(next(ids), dtype=np.int32)
-                buf_t.append(piece)
-                buf_m.append(np.full(len(piece), 1 if target else 0, np.uint8))
-                buf_s.append(np.zeros(len(piece), np.uint8))
-                if first and len(piece):
-                    buf_s[-1][0], first = 1, False
-            buf_t.append(np.array([tok.eos_id], np.int32))
-            buf_m.append(np.array([1 if opts.kind == "pretrain" else 0], np.uint8))
-            buf_s.append(np.array([1 if first else 0], np.uint8))
-            stats["documents"] += 1
-        stats["tokens"] += sum(len(x) for x in buf_t)
-        pending, pending_bytes = [], 0
-        write_rows(writer, final=False)
-
-    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, _schema(opts.seq_len + 1)) as writer:
+        packer = _Packer(writer, opts.seq_len + 1, tok.eos_id, eos_trained=opts.kind == "pretrain")
         for where, rec in iter_records(task, cols, opts.max_undecodable, counts):
             try:
                 if isinstance(rec, BadRow):
@@ -361,24 +307,100 @@ def run_task(task: Task, opts: PrepareOptions, out_dir: str) -> dict:
             except BadRow as e:
                 if opts.on_bad_row == "error":
                     raise DataError(f"{e} (prepare with --on-bad-row skip to skip and count such rows)") from None
-                stats["skipped"][e.reason] = stats["skipped"].get(e.reason, 0) + 1
+                skipped[e.reason] = skipped.get(e.reason, 0) + 1
                 continue
-            pending.append((segs, where))
-            pending_bytes += sum(len(s) for s, _ in segs)
+            pending.append(segs)
+            pending_bytes += sum(len(text) for text, _ in segs)
             if pending_bytes >= opts.batch_mb * 2**20:
-                tokenize_pending(writer)
-        if pending:
-            tokenize_pending(writer)
-        write_rows(writer, final=True)
-        if stats["rows"] == 0:
-            writer.write_batch(pa.record_batch([pa.array([], pa.list_(pa.int32(), S1)),
-                                                pa.array([], pa.list_(pa.uint8(), S1)),
-                                                pa.array([], pa.list_(pa.int32()))], schema=schema))
-    stats["undecodable_bytes"] = counts.get("undecodable_bytes", 0)
-    stats["seconds"] = time.perf_counter() - t0
-    stats["rss_growth_bytes"] = _rss_bytes() - rss0
-    stats["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return stats
+                packer.add_records(pending, tok)
+                pending, pending_bytes = [], 0
+        packer.add_records(pending, tok)
+        packer.close()
+    return {"shard": os.path.basename(path), "rows": packer.rows, "documents": packer.documents,
+            "tokens": packer.tokens, "skipped": skipped, "undecodable_bytes": counts.get("undecodable_bytes", 0),
+            "seconds": time.perf_counter() - t0, "rss_growth_bytes": _rss_bytes() - rss0,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def _schema(row_len: int):
+    """A shard's columns: rows of ``row_len`` tokens, their loss mask, and the offsets of the
+    documents that start in the row."""
+    import pyarrow as pa
+
+    return pa.schema([("tokens", pa.list_(pa.int32(), row_len)), ("mask", pa.list_(pa.uint8(), row_len)),
+                      ("starts", pa.list_(pa.int32()))])
+
+
+class _Packer:
+    """Documents laid end to end and cut into rows of ``row_len`` tokens (seq_len + 1), each
+    token with its loss mask (1: trained on) and a flag where a document starts; whole rows go
+    to the Arrow ``writer`` as each batch of records is added, and the last partial row is
+    padded with end tokens (a document of its own, not trained on) at ``close``."""
+
+    def __init__(self, writer, row_len: int, eos_id: int, eos_trained: bool):
+        self.writer, self.row_len, self.eos_id, self.eos_trained = writer, row_len, eos_id, eos_trained
+        self.schema = _schema(row_len)
+        self.parts: tuple[list, list, list] = ([], [], [])            # tokens, mask, start flags
+        self.carry = (np.zeros(0, np.int32), np.zeros(0, np.uint8), np.zeros(0, np.uint8))
+        self.rows = self.documents = self.tokens = 0
+
+    def _append(self, tokens: np.ndarray, mask: np.ndarray, starts: np.ndarray) -> None:
+        for part, a in zip(self.parts, (tokens, mask, starts)):
+            part.append(a)
+        self.tokens += len(tokens)
+
+    def add_records(self, records: list[list[tuple[str, bool]]], tok: TextTokenizer) -> None:
+        """Each record's segments (text, trained on) tokenized in one call, then laid out as one
+        document each: its first token flagged, and the end token after it (trained on for
+        pretraining, not for chat data)."""
+        if not records:
+            return
+        ids = iter(tok.encode([text for segs in records for text, _ in segs]))
+        for segs in records:
+            first = True
+            for _, target in segs:
+                piece = np.asarray(next(ids), dtype=np.int32)
+                starts = np.zeros(len(piece), np.uint8)
+                if first and len(piece):
+                    starts[0], first = 1, False
+                self._append(piece, np.full(len(piece), 1 if target else 0, np.uint8), starts)
+            self._append(np.array([self.eos_id], np.int32), np.array([1 if self.eos_trained else 0], np.uint8),
+                         np.array([1 if first else 0], np.uint8))
+            self.documents += 1
+        self._write(final=False)
+
+    def _write(self, final: bool) -> None:
+        import pyarrow as pa
+
+        t, m, st = (np.concatenate([c, *part]) for c, part in zip(self.carry, self.parts))
+        for part in self.parts:
+            part.clear()
+        S1 = self.row_len
+        n = len(t) // S1
+        if final and len(t) % S1:
+            pad = S1 - len(t) % S1
+            t = np.concatenate([t, np.full(pad, self.eos_id, np.int32)])
+            m = np.concatenate([m, np.zeros(pad, np.uint8)])
+            st = np.concatenate([st, np.eye(1, pad, dtype=np.uint8)[0]])     # the padding: a document of its own
+            n += 1
+        if n:
+            rows_t = pa.FixedSizeListArray.from_arrays(pa.array(t[: n * S1]), S1)
+            rows_m = pa.FixedSizeListArray.from_arrays(pa.array(m[: n * S1]), S1)
+            rows_s = _starts_column(st[: n * S1].reshape(n, S1))
+            self.writer.write_batch(pa.record_batch([rows_t, rows_m, rows_s], schema=self.schema))
+            self.rows += n
+        self.carry = (t[n * S1:], m[n * S1:], st[n * S1:])
+
+    def close(self) -> None:
+        """The last rows, padded; an empty batch where the task made no row (a valid, empty shard)."""
+        import pyarrow as pa
+
+        self._write(final=True)
+        if self.rows == 0:
+            S1 = self.row_len
+            self.writer.write_batch(pa.record_batch([pa.array([], pa.list_(pa.int32(), S1)),
+                                                     pa.array([], pa.list_(pa.uint8(), S1)),
+                                                     pa.array([], pa.list_(pa.int32()))], schema=self.schema))
 
 
 def _starts_column(flags: np.ndarray):

@@ -33,8 +33,62 @@ TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
 def read_hf_config(path: str | os.PathLike) -> dict:
     """ModelConfig keyword arguments from ``<path>/config.json``; refuses what megaray lacks."""
     p = Path(path) / "config.json"
+    c, arch = _read_json(p)
+    kind = ARCHITECTURES[arch]
+
+    def refuse(key: str, why: str):
+        raise ConfigError("model.from", f"{p}: {key}={c.get(key)!r} is not supported: {why}")
+
+    if kind == "gemma3_text":
+        _check_gemma3(c, refuse)
+    elif c.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "the MLP is SwiGLU with silu")
+    if c.get("mlp_bias", False):
+        refuse("mlp_bias", "MLP projections have no bias")
+    if c.get("use_sliding_window", False):
+        refuse("use_sliding_window", "attention is full causal attention")
+    if c.get("pretraining_tp", 1) not in (1, None):
+        refuse("pretraining_tp", "only 1")
+    if kind == "olmo2" and c.get("attention_bias"):
+        refuse("attention_bias", "OLMo 2's projections have no biases")
+    heads = c["num_attention_heads"]
+    out = dict(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
+        num_key_value_heads=c.get("num_key_value_heads") or heads,
+        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=c.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        attention_bias=True if kind == "qwen2" else bool(c.get("attention_bias", False)),
+        qk_norm=kind in ("qwen3", "olmo2"), initializer_range=float(c.get("initializer_range", 0.02)),
+        sliding_window=(c.get("sliding_window") if (kind in ("mistral", "mixtral", "phi3")
+                                                    or c.get("use_sliding_window")) else None),
+        architecture=arch, pad_token_id=_token(c.get("pad_token_id"), c["vocab_size"]),
+        **_rope_keys(c, kind, refuse),
+    )
+    if kind == "olmo2":     # q/k norms over the whole projections, the block's norms on its outputs
+        out.update(qk_norm_scope="projection", norm_placement="post")
+    if kind == "gemma3_text":
+        layers, pattern = c["num_hidden_layers"], c.get("sliding_window_pattern", 6)
+        types = c.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                         for i in range(layers)]
+        out.update(qk_norm=True, norm_placement="sandwich", norm_offset=1.0, scale_embeddings=True,
+                   hidden_act="gelu_pytorch_tanh", tie_word_embeddings=bool(c["tie_word_embeddings"]),
+                   query_pre_attn_scalar=float(c["query_pre_attn_scalar"]), layer_types=list(types),
+                   sliding_window=c["sliding_window"], max_position_embeddings=c["max_position_embeddings"],
+                   pad_token_id=_token(c["pad_token_id"], c["vocab_size"]))
+    if kind in MOE:
+        out.update(_experts(c, kind, refuse))
+    return out
+
+
+def _read_json(p: Path) -> tuple[dict, str]:
+    """config.json's keys (a multimodal Gemma 3's text model's, with transformers' defaults
+    where the Hub's files leave them out) and the architecture; refuses a file that is not a
+    supported model's config."""
     if not p.is_file():
-        raise ConfigError("model.from", f"{path} has no config.json")
+        raise ConfigError("model.from", f"{p.parent} has no config.json")
     try:
         c = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -52,34 +106,27 @@ def read_hf_config(path: str | os.PathLike) -> dict:
     if arch not in ARCHITECTURES:
         raise ConfigError("model.from", f"{p}: architecture {archs or c.get('model_type')} is not supported "
                                         f"(supported: {sorted(ARCHITECTURES)})")
-    kind = ARCHITECTURES[arch]
     missing = [k for k in _REQUIRED if k not in c]
     if missing:
         raise ConfigError("model.from", f"{p} lacks the required key(s) {missing}")
     bad = [k for k in _REQUIRED if not isinstance(c[k], int) or isinstance(c[k], bool) or c[k] <= 0]
     if bad:
         raise ConfigError("model.from", f"{p}: {', '.join(f'{k}={c[k]!r}' for k in bad)} must be positive integers")
+    return c, arch
 
-    def refuse(key: str, why: str):
-        raise ConfigError("model.from", f"{p}: {key}={c.get(key)!r} is not supported: {why}")
 
-    if kind == "gemma3_text":
-        _check_gemma3(c, refuse)
-    elif c.get("hidden_act", "silu") != "silu":
-        refuse("hidden_act", "the MLP is SwiGLU with silu")
-    if c.get("mlp_bias", False):
-        refuse("mlp_bias", "MLP projections have no bias")
-    if c.get("use_sliding_window", False):
-        refuse("use_sliding_window", "attention is full causal attention")
-    if c.get("pretraining_tp", 1) not in (1, None):
-        refuse("pretraining_tp", "only 1")
-    if kind == "olmo2" and c.get("attention_bias"):
-        refuse("attention_bias", "OLMo 2's projections have no biases")
+def _rope_keys(c: dict, kind: str, refuse) -> dict:
+    """The rotary keys: base, partial rotary, scaling (llama3, LongRoPE with Phi-3's old names,
+    linear), and Gemma 3's local base. transformers 5 writes ``rope_parameters`` (Gemma's keyed
+    by layer type); the Hub's files ``rope_theta``, ``rope_scaling`` and
+    ``rope_local_base_freq``."""
     rope = dict(c.get("rope_parameters") or {})
-    if kind == "gemma3_text":        # transformers 5 keys them by layer type; the Hub's files use rope_theta & co
+    local_rope = None
+    if kind == "gemma3_text":
         local_rope = rope.get("sliding_attention") or {}
-        rope = dict(rope.get("full_attention") or {})
-        rope.setdefault("rope_theta", 1000000.0)
+        rope = {"rope_theta": 1000000.0, **(rope.get("full_attention") or {})}
+        if local_rope.get("rope_type", "default") != "default":
+            refuse("rope_parameters", "the sliding-window blocks' rotary is unscaled (default)")
     theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
     partial = float(c.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0)))
     scaling = c.get("rope_scaling")
@@ -98,40 +145,9 @@ def read_hf_config(path: str | os.PathLike) -> dict:
         scaling = {"rope_type": "linear", "factor": float(scaling["factor"])}
     if scaling is not None and kind_of(scaling) not in ("llama3", "longrope", "linear"):
         refuse("rope_scaling", f"rope type {kind_of(scaling)!r}; llama3, longrope or linear scaling")
-    heads = c["num_attention_heads"]
-    out = dict(
-        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=heads,
-        num_key_value_heads=c.get("num_key_value_heads") or heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_theta=float(theta), rope_scaling=scaling,
-        max_position_embeddings=c.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-        attention_bias=True if kind == "qwen2" else bool(c.get("attention_bias", False)),
-        qk_norm=kind in ("qwen3", "olmo2"), initializer_range=float(c.get("initializer_range", 0.02)),
-        sliding_window=(c.get("sliding_window") if (kind in ("mistral", "mixtral", "phi3")
-                                                    or c.get("use_sliding_window")) else None),
-        partial_rotary_factor=partial,
-        architecture=arch, pad_token_id=_token(c.get("pad_token_id"), c["vocab_size"]),
-    )
-    if kind == "olmo2":     # q/k norms over the whole projections, the block's norms on its outputs
-        out.update(qk_norm_scope="projection", norm_placement="post")
-    if kind == "gemma3_text":
-        layers = c["num_hidden_layers"]
-        pattern = c.get("sliding_window_pattern", 6)
-        types = c.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                         for i in range(layers)]
-        out.update(qk_norm=True, norm_placement="sandwich", norm_offset=1.0, scale_embeddings=True,
-                   hidden_act="gelu_pytorch_tanh", tie_word_embeddings=bool(c.get("tie_word_embeddings", True)),
-                   query_pre_attn_scalar=float(c.get("query_pre_attn_scalar", 256)), layer_types=list(types),
-                   sliding_window=c.get("sliding_window", 4096), max_position_embeddings=c.get(
-                       "max_position_embeddings", 131072),
-                   rope_local_theta=float(c.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0))),
-                   pad_token_id=_token(c.get("pad_token_id", 0), c["vocab_size"]))
-        if local_rope.get("rope_type", "default") != "default":
-            refuse("rope_parameters", "the sliding-window blocks' rotary is unscaled (default)")
-    if kind in MOE:
-        out.update(_experts(c, kind, refuse))
+    out = dict(rope_theta=float(theta), rope_scaling=scaling, partial_rotary_factor=partial)
+    if local_rope is not None:
+        out["rope_local_theta"] = float(c.get("rope_local_base_freq", local_rope.get("rope_theta", 10000.0)))
     return out
 
 

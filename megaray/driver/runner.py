@@ -171,8 +171,9 @@ class Trainer:
                     raise
                 log.error("%s; trying the previous checkpoint", e)
                 damaged.append(f"{Path(path).name}: {e}")
-                self.session.close()           # a half-loaded state is discarded with its actors
-                self.session = TrainingSession(cfg, self.run_id).start()
+                # The previous checkpoint loads over the same actors: a load writes every
+                # master, moment and resident unit (each actor's calls run in order), so
+                # nothing of the half-loaded one survives it, and no actor is started again.
         else:
             if damaged and cfg.checkpoint.on_damaged != "start_over":
                 raise CheckpointError(
@@ -183,6 +184,8 @@ class Trainer:
             if damaged:
                 log.warning("every checkpoint in %s is damaged: training from the initial weights "
                             "(checkpoint.on_damaged: start_over)", self.ckpt.root)
+                self.session.close()           # the half-loaded state goes with its actors
+                self.session = TrainingSession(cfg, self.run_id).start()
         self.position = trainer.get("data_position", self.step * self.session.rows_per_step)
         self.consecutive = trainer.get("consecutive_skipped", 0)
 

@@ -76,6 +76,7 @@ def size(b: float) -> str:
 class Plan:
     params: int
     active: int = 0                 # the parameters a token's compute reads (a mixture's k experts)
+    windows: str = ""               # the sliding-window blocks, in words ("" where every block attends fully)
     shm: dict = field(default_factory=dict)
     host_private: dict = field(default_factory=dict)
     gpu: dict = field(default_factory=dict)
@@ -115,7 +116,7 @@ class Plan:
 
         active = f" ({count(self.active)} active a token)" if self.active and self.active != self.params else ""
         out = [f"model: {count(self.params)} parameters{active}; host state {self.host_bytes_per_param:.2f} "
-               f"bytes/param"]
+               f"bytes/param" + (f"; {self.windows}" if self.windows else "")]
         out += block("host memory", {**self.shm, **self.host_private}, self.host_total,
                      f"usable {host_budget(machine) / GiB:.2f} GiB of {machine.host_bytes / GiB:.2f} available: "
                      f"{_HOST_USABLE}" if machine else None)
@@ -135,7 +136,10 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
     m, t = cfg.model, cfg.train
     units = build_layout(m)
     h = Handles.for_config(cfg, "plan", 0, units)
-    p = Plan(params=m.num_params(), active=m.active_params(), slab_bytes=h.slab_bytes)
+    local = sum(1 for i in range(m.num_hidden_layers) if m.window(i))
+    windows = (f"{local} of {m.num_hidden_layers} blocks attend within {m.local_window} tokens (TFLOP/s counts "
+               "what a window computes)") if local else ""
+    p = Plan(params=m.num_params(), active=m.active_params(), slab_bytes=h.slab_bytes, windows=windows)
     o = cfg.optim
     p.shm = {f"{_SHORT[o.master_dtype]} master weights": h.held_bytes("master")}     # resident: on the GPU
     if not h.aliased:

@@ -146,3 +146,16 @@ def test_the_block_bench_runs_every_case_on_the_cpu(shape):
         assert set(row[mode]) == {"forward_s", "lean_s", "plain_s"} and min(row[mode].values()) > 0
     assert min(row["products"].values()) > 0
     print_rows([row])
+
+
+def test_bench_with_sliding_windows_counts_what_the_windows_compute(ray_cluster):
+    """Gemma 3's windows in the bench: megaray and the resident baseline run the same windowed
+    blocks from the same weights (their first losses equal), and the attention's work is what
+    the windows compute: rows of 16 tokens under a window of 4 on 2 of 3 blocks,
+    (2 x (16^2 - 12^2) + 16^2) / (3 x 16^2) of causal attention's, by hand."""
+    cfg = bench_config("debug_gemma3", seq_len=16, tokens_per_step=96, micro_batch=2, steps=3, shards=2, threads=1,
+                       extra=SET)
+    r = bench(cfg)
+    assert r["attention"] == "causal, windows of 4 tokens on 2 of 3 blocks"
+    assert r["attention_work_of_causal"] == pytest.approx((2 * (256 - 144) + 256) / (3 * 256))
+    assert r["first_loss_diff"] < 1e-4

@@ -112,7 +112,10 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
     flops = [flops_per_step(cfg.model, tokens_per_step, t.seq_len, b.square_document_lengths(),
                             b.square_document_lengths(cfg.model.local_window)) for b in batches]
     out: dict = {"shape": cfg.model.shape, "params": cfg.model.num_params(), "seq_len": t.seq_len,
-                 "attention": f"document (mean length {documents})" if documents else "causal",
+                 "attention": (f"document (mean length {documents})" if documents else "causal") + (
+                     f", windows of {cfg.model.local_window} tokens on "
+                     f"{sum(1 for i in range(cfg.model.num_hidden_layers) if cfg.model.window(i))} of "
+                     f"{cfg.model.num_hidden_layers} blocks" if cfg.model.local_window else ""),
                  "tokens_per_step": tokens_per_step, "micro_batch": t.micro_batch_size, "grad_accum": t.grad_accum,
                  "shards": cfg.optim.num_shards, "threads_per_shard": cfg.optim.threads_per_shard}
     ms = []
@@ -163,10 +166,10 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
                       "step_predicted_s": predicted_step, "update_scale": s.speeds.update_scale}
     key = "optimizer_params_per_second_all_shards"
     rates = [m[key] for m in ms[1:] if key in m]
-    if documents:     # the attention's work against causal attention over whole rows
-        attn = 6.0 * cfg.model.num_hidden_layers * cfg.model.hidden_size
-        out["attention_work_of_causal"] = ((flops[ms.index(med)] - causal) / (attn * t.seq_len * tokens_per_step)
-                                           + 1.0)
+    if documents or cfg.model.local_window:     # the attention's work against causal attention over whole rows
+        full = 6.0 * cfg.model.num_hidden_layers * cfg.model.hidden_size * t.seq_len * tokens_per_step
+        products = 6.0 * cfg.model.active_params() * tokens_per_step
+        out["attention_work_of_causal"] = (flops[ms.index(med)] - products) / full
     out["megaray"] = {"step_s": step_s, "tflops": flops[ms.index(med)] / step_s / 1e12,
                       "tokens_per_s": tokens_per_step / step_s,
                       "losses": [m["loss"] for m in ms],

@@ -22,7 +22,6 @@ from .args import parse, parser
 def main(argv: list[str] | None = None, prog: str = "megaray train") -> int:
     args = parse(parser(prog, "Train a model with megaray; the run directory lands under run.dir "
                               "(TensorBoard events, metrics.jsonl, train.log, checkpoints).", takes_config=True), argv)
-    command = [*shlex.split(prog), args.config, *args.overrides]
     try:
         cfg = load_config(args.config, args.overrides)
         from megaray.driver.runner import check_before_start
@@ -38,12 +37,13 @@ def main(argv: list[str] | None = None, prog: str = "megaray train") -> int:
     try:
         started = connect_ray(cfg)
         s = train(cfg)
-        print(finished_message(s, resume_command(cfg, command, Path(s["checkpoint"]).parent)))
+        again = resume_command(cfg, shlex.split(prog), args.config, args.overrides, Path(s["checkpoint"]).parent)
+        print(finished_message(s, again))
         return 0
     except RunStopped as e:
         print(f"megaray: {e}; actors stopped and shared memory freed", file=sys.stderr)
         if e.checkpoint:
-            again = resume_command(cfg, command, Path(e.checkpoint).parent)
+            again = resume_command(cfg, shlex.split(prog), args.config, args.overrides, Path(e.checkpoint).parent)
             print(f"megaray: checkpoint {e.checkpoint}; resume with:\n  {shlex.join(again)}", file=sys.stderr)
         else:
             print("megaray: no checkpoint written (checkpoint.on_sigterm: false)", file=sys.stderr)

@@ -122,6 +122,7 @@ def test_train_cli_runs_demo_in_a_fresh_process(tmp_path):
     assert f"run {s['run_id']} finished: steps 1..3, loss " in said and "tokens/s" in said
     assert f"final checkpoint {s['checkpoint']}" in said and f"megaray export {s['checkpoint']} OUT_DIR" in said
     assert f"checkpoint.resume=auto checkpoint.dir={Path(s['checkpoint']).parent} train.steps=N" in said
+    assert f"run.dir={tmp_path} " in said           # as it resolved: the command works from any folder
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["dir"] == str(tmp_path)
 
 
@@ -150,3 +151,22 @@ def test_the_store_shows_how_far_its_weights_have_come_while_it_starts(ray_clust
     assert {role for m in starting for role in m[1].split(", ")} <= {"worker", "scheduler", "data"} | {
         f"optimizer-{k}" for k in range(cfg.optim.num_shards)}
     assert shm_files(s.run_id) == []
+
+
+def test_the_command_that_goes_on_works_from_any_folder(tmp_path, monkeypatch):
+    """``resume_command``: a config file's path and every path the run read, absolute as they
+    resolved where the command ran (a relative data.path and run.dir typed there), the
+    checkpoint words appended; a shipped config's name stays a name."""
+    from megaray.driver.runner import resume_command
+    from megaray.loader import load_config
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.yaml").write_text("run:\n  name: mine\nmodel:\n  shape: debug\n")
+    over = ["run.dir=runs", "data.path=shards", "data.source=shards", "train.steps=5"]
+    cfg = load_config("mine.yaml", over)
+    got = resume_command(cfg, ["megaray", "train"], "mine.yaml", over, tmp_path / "ck")
+    assert got == ["megaray", "train", str(tmp_path / "mine.yaml"), "data.source=shards", "train.steps=5",
+                   f"run.dir={tmp_path / 'runs'}", f"data.path={tmp_path / 'shards'}",
+                   f"checkpoint.dir={tmp_path / 'ck'}"]
+    demo = load_config("demo", [])
+    assert resume_command(demo, ["megaray", "train"], "demo", [], tmp_path / "ck")[2] == "demo"

@@ -363,12 +363,23 @@ def check_before_start(cfg: RunConfig) -> None:
         check_resume(cfg, ck)
 
 
-def resume_command(cfg: RunConfig, command: list[str], folder: Path) -> list[str]:
-    """``command`` (the words that ran ``cfg``) made to go on from the checkpoints in
-    ``folder``: ``checkpoint.resume=auto`` and ``checkpoint.dir=`` appended (later overrides
-    win) where the config does not lead there already."""
+# the path keys a command's words may set, by their words (checkpoint.dir and .resume apart)
+_PATH_WORDS = {"run.dir": ("run", "dir"), "data.path": ("data", "path"), "model.from": ("model", "from_path")}
+
+
+def resume_command(cfg: RunConfig, prog: list[str], config: str, overrides: list[str], folder: Path) -> list[str]:
+    """The command (``prog``, ``config``, ``overrides``: the words that ran ``cfg``) made to go
+    on from the checkpoints in ``folder`` from any folder: ``checkpoint.resume=auto`` and
+    ``checkpoint.dir=`` appended (later overrides win) where the config does not lead there
+    already, a config file's path and every path the run read (run.dir, data.path, model.from)
+    absolute, as they resolved where the command ran."""
     folder = Path(folder).resolve()
-    out = list(command)
+    words = [w for w in overrides if w.split("=", 1)[0] not in _PATH_WORDS]
+    for word, (section, key) in _PATH_WORDS.items():
+        value = getattr(getattr(cfg, section), key)
+        if value is not None:
+            words.append(f"{word}={value}")
+    out = [*prog, os.path.abspath(config) if os.path.isfile(config) else config, *words]
     if cfg.checkpoint.resume != "auto":
         out.append("checkpoint.resume=auto")
     if cfg.checkpoint.resume != "auto" or checkpoint_folder(cfg, "").resolve() != folder:

@@ -18,7 +18,7 @@ from megaray.bench.attention import median_seconds
 from megaray.config import ModelConfig
 from megaray.cost import active_block_params
 from megaray.layout import build_layout
-from megaray.model import block_forward, rope_tables
+from megaray.model import Ropes, block_forward, windowed_square
 from megaray.moe import expert_linear
 
 
@@ -65,14 +65,17 @@ def _products(w: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 def block_flops(cfg: ModelConfig, seq: int, batch: int) -> float:
     """One block's forward FLOPs over ``batch`` x ``seq`` tokens, as the TFLOP/s figure counts
     them (``cost.block_forward_seconds``' terms): 2 x active parameters x tokens and causal
-    attention's 2 x hidden x sequence x tokens; a forward and backward is three times it."""
-    return 2.0 * seq * batch * (active_block_params(cfg) + cfg.hidden_size * seq)
+    attention's 2 x hidden x sequence x tokens (block 0's window's work where it has one:
+    ``model.windowed_square``); a forward and backward is three times it."""
+    window = cfg.window(0)
+    pairs = seq * seq if window is None else windowed_square(seq, window)
+    return 2.0 * batch * (seq * active_block_params(cfg) + cfg.hidden_size * pairs)
 
 
 def _case(cfg: ModelConfig, seq: int, batch: int, reps: int, device: str = "cuda") -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     w = _weights(cfg, gen, device)
-    rope = rope_tables(cfg, seq, device=device)
+    rope = Ropes(cfg, seq, device=device)     # block 0: a sliding-window block where the model has them
     x = torch.randn(batch, seq, cfg.hidden_size, generator=gen, device=device).bfloat16()
     dy = torch.randn(batch, seq, cfg.hidden_size, generator=gen, device=device).bfloat16()
 

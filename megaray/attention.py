@@ -68,11 +68,8 @@ def packing(doc: torch.Tensor, head_dim: int | None = None, window: int | None =
     b, s = doc.shape
     first = torch.searchsorted(doc, doc, side="left")          # each token's document start
     pos = torch.arange(s, device=doc.device).expand(b, s) - first
-    if _uses_flex(doc, head_dim):
-        masks = [document_block_mask(doc, w) for w in (None, window)]
-    else:
-        masks = [dense_mask(doc, w) for w in (None, window)]
-    return Packing(doc, pos, masks[0], masks[1] if window else None)
+    build = document_block_mask if _uses_flex(doc, head_dim) else dense_mask
+    return Packing(doc, pos, build(doc), build(doc, window) if window else None)
 
 
 def dense_mask(doc: torch.Tensor, window: int | None = None) -> torch.Tensor:

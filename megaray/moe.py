@@ -136,8 +136,8 @@ def moe_mlp(h: torch.Tensor, w: dict, cfg: ModelConfig, routed: list | None = No
     The N x k (token, expert) pairs are sorted by expert (stable: within an expert, by token)
     for the grouped products, each pair's router weight scales its down projection's input
     (``_swiglu``), and the outputs are put back in token order and each token's k summed (a
-    reduction in fp32, rounded once). Every move of rows, forward and
-    backward, is a gather by a permutation (``_Rows``, ``_Permute``): no atomics, no scatter."""
+    reduction in fp32, rounded once). Every move of activation rows, forward and backward, is a
+    gather by a permutation (``_Rows``, ``_Permute``): no accumulating scatter, no atomics."""
     b, s, hd = h.shape
     k = cfg.num_experts_per_tok
     x = h.reshape(-1, hd)

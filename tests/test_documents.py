@@ -123,11 +123,13 @@ def test_a_packed_row_equals_its_documents_alone(shape, dtype, tol, mlp_chunk, l
     torch.testing.assert_close(y.detach(), y_ref, rtol=tol, atol=tol)
     torch.testing.assert_close(gx, gx_ref, rtol=tol, atol=tol)
     # the norms compute in fp32 whatever the dtype (model._rms_norm_forward), so their scales'
-    # gradients, summed over the tokens in another grouping, agree to fp32 rounding; Gemma's
-    # norms on attention's and the MLP's small outputs divide by their rms, which magnifies
-    # that fp32 rounding (the outputs and the input's gradient agree to 1e-12 in fp64 all the same)
-    post_norms = cfg.norm_placement != "pre"
-    torch.testing.assert_close(gw, gw_ref, rtol=max(tol, 1e-5), atol=5e-5 if post_norms else max(tol, 1e-6))
+    # gradients, summed over the tokens in another grouping, agree to fp32 rounding. Gemma's
+    # norms on attention's and the MLP's small outputs divide by their rms, which magnifies that
+    # rounding in every weight's gradient: measured, the packed rows and the documents alone each
+    # lie about 4e-7 x the largest gradient from the fp64 computation (whose outputs and input
+    # gradients agree to 1e-12), and 1-3e-7 x apart, moving with the threads' cut of the sums
+    scale = 2e-6 * float(gw_ref.abs().max()) if cfg.norm_placement != "pre" else 0.0
+    torch.testing.assert_close(gw, gw_ref, rtol=max(tol, 1e-5), atol=max(tol, 1e-6, scale))
 
 
 def test_the_plan_counts_the_masks_and_the_config_names_the_key():

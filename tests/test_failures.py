@@ -422,7 +422,7 @@ def test_a_dead_raylet_is_named_not_a_raw_ray_error(tmp_path):
         "from megaray.loader import load_config\n"
         "from megaray.driver.session import TrainingSession\n"
         "from megaray.errors import MegarayError\n"
-        "ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)\n"
+        "ray.init(address='local', num_cpus=4, include_dashboard=False, log_to_driver=False)\n"
         "raylet = ray._private.worker._global_node.all_processes['raylet'][0].process\n"
         "os.kill(raylet.pid, signal.SIGKILL)\n"
         "time.sleep(2)\n"

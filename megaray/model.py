@@ -18,68 +18,17 @@ This module imports neither Ray nor CUDA streams.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
 from megaray.attention import Packing, attention, window_mask
 from megaray.config import ModelConfig
 from megaray.fused import fused
-from megaray.layout import UnitLayout
-from megaray.machine import on_cores
+from megaray.init_weights import init_param, init_params, init_unit  # noqa: F401 - model's API too
 from megaray.moe import moe_mlp
+from megaray.rope import Ropes, apply_rope, rope_tables  # noqa: F401 - rope_tables: model's API too
 
 IGNORE_INDEX = -100
-
-
-def init_unit(unit: UnitLayout, cfg: ModelConfig, seed: int) -> torch.Tensor:
-    """Deterministic fp32 initialization of one unit, independent of sharding and order."""
-    flat = torch.empty(unit.numel, dtype=torch.float32)
-    for s in unit.params:
-        init_param(s, cfg, seed, flat[s.offset:s.offset + s.numel])
-    return flat
-
-
-def init_param(s, cfg: ModelConfig, seed: int, out: torch.Tensor) -> torch.Tensor:
-    """Parameter ``s``'s initial fp32 values into ``out`` (its own generator, seeded by its
-    name: a unit's parameters can be made one at a time, with the same values)."""
-    if s.decay:
-        g = torch.Generator().manual_seed((seed * 1_000_003 + _stable_hash(s.name)) % (2**63))
-        out.normal_(0.0, cfg.initializer_range, generator=g)
-    elif s.name.endswith("bias"):
-        out.zero_()
-    else:
-        out.fill_(1.0 - cfg.norm_offset)      # a norm scales by 1 at the start (Gemma's weight 0 + offset 1)
-    return out
-
-
-def init_params(jobs: list[tuple], cfg: ModelConfig, seed: int, threads: int | None = None,
-                progress=None) -> None:
-    """``init_param`` for each ``(parameter, out)`` of ``jobs``, on ``threads`` threads (every
-    core this process may use by default; torch releases the GIL while it samples). Each
-    parameter has its own generator, so the values are ``init_unit``'s whatever the threads
-    and the order. An ``out`` that is not fp32 in host memory (a bf16 master, a GPU buffer)
-    takes the fp32 values through a temporary of the parameter's size: at most ``threads``
-    such temporaries exist at once. ``progress(values)`` is called as each parameter is done."""
-    def one(job) -> None:
-        s, out = job
-        if out.dtype == torch.float32 and out.device.type == "cpu":
-            init_param(s, cfg, seed, out)
-        else:
-            out.copy_(init_param(s, cfg, seed, torch.empty(s.numel, dtype=torch.float32)))
-
-    on_cores(one, jobs, threads, size=lambda j: j[0].numel,
-             done=None if progress is None else lambda j: progress(j[0].numel))
-    if any(out.is_cuda for _, out in jobs):     # the threads' copies ran on their own default streams
-        torch.cuda.synchronize()
-
-
-def _stable_hash(text: str) -> int:
-    h = 1469598103934665603
-    for b in text.encode():
-        h = ((h ^ b) * 1099511628211) % (2**64)
-    return h
 
 
 # ----------------------------------------------------------------------------- templates
@@ -336,77 +285,6 @@ def mlp(h: torch.Tensor, w: dict, chunk: int | None = None, act: str = "silu") -
     if chunk and h.numel() // h.shape[-1] > chunk:
         return _ChunkedMLP.apply(h, wg, wu, wd, chunk, act)
     return F.linear(GATED[act][0](F.linear(h, wg), F.linear(h, wu)), wd)
-
-
-def rope_tables(cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32, local: bool = False):
-    """cos, sin of shape [seq_len, rotary_dim] (``model.partial_rotary_factor`` of head_dim),
-    with linear, llama3 frequency scaling, or LongRoPE's (its long factors for rows longer than
-    the original length, its short ones otherwise, as transformers picks them; cos and sin times
-    its attention factor), when configured. ``local``: the sliding-window blocks' tables
-    (``model.rope_local_theta``, unscaled)."""
-    dim = cfg.rotary_dim
-    theta = cfg.rope_local_theta if local else cfg.rope_theta
-    base = theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    inv_freq = 1.0 / base
-    rs, scale = (None if local else cfg.rope_scaling), 1.0
-    kind = None if rs is None else rs.get("rope_type", rs.get("type"))
-    if kind == "linear":
-        inv_freq = inv_freq / rs["factor"]
-    elif kind == "longrope":
-        old = rs["original_max_position_embeddings"]
-        ext = torch.tensor(rs["long_factor"] if seq_len > old else rs["short_factor"], dtype=torch.float32)
-        inv_freq = 1.0 / (ext * base)
-        factor = rs.get("factor") or cfg.max_position_embeddings / old
-        scale = rs.get("attention_factor") or (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old)))
-    elif rs is not None:
-        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-        old = rs["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old / lo, old / hi
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    pos = torch.arange(seq_len, dtype=torch.float32)
-    freqs = torch.outer(pos, inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return (emb.cos() * scale).to(device=device, dtype=dtype), (emb.sin() * scale).to(device=device, dtype=dtype)
-
-
-class Ropes:
-    """Every block's rotary tables: ``rope_tables``' for the full-attention blocks, and with
-    ``model.rope_local_theta`` the sliding-window blocks' own (Gemma 3). ``ropes[i]`` is block
-    i's (cos, sin)."""
-
-    def __init__(self, cfg: ModelConfig, seq_len: int, device=None, dtype=torch.float32):
-        self.cfg = cfg
-        self.full = rope_tables(cfg, seq_len, device, dtype)
-        self.local = (rope_tables(cfg, seq_len, device, dtype, local=True) if cfg.rope_local_theta is not None
-                      else self.full)
-
-    def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.local if self.cfg.window(layer) else self.full
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-@fused
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, heads, S, hd]; cos/sin: [S, rotary_dim], or [B, 1, S, rotary_dim] at each
-    token's own position. A partial rotary (rotary_dim < hd) turns the first rotary_dim
-    dimensions of each head and passes the rest."""
-    r = cos.shape[-1]
-    if r == x.shape[-1]:
-        return _rope(x, cos, sin)
-    return torch.cat([_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
 
 def embed_forward(w: dict, tokens: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:

@@ -13,10 +13,11 @@ PACKAGES = ("megaray", "megaray.actors", "megaray.pipelines", "megaray.hf", "meg
 # The core library: neither Ray nor the actors and the driver above it.
 CORE = {"megaray.errors", "megaray.shapes", "megaray.model_config", "megaray.optim_config", "megaray.config",
         "megaray.loader", "megaray.layout", "megaray.attention", "megaray.fused", "megaray.moe", "megaray.model",
+        "megaray.rope", "megaray.init_weights",
         "megaray.hf", "megaray.hf.read", "megaray.hf.export", "megaray.leftovers", "megaray.shm", "megaray.protocol",
         "megaray.buffers", "megaray.memory", "megaray.cost", "megaray.machine", "megaray.plan",
         "megaray.lr_schedule", "megaray.clipping", "megaray.adamw", "megaray.parts", "megaray.checkpoint",
-        "megaray.corpus",
+        "megaray.corpus", "megaray.packing",
         "megaray.dataset", "megaray.tokenizer", "megaray.step"}
 ABOVE_CORE = ("ray", "megaray.actors", "megaray.driver", "megaray.bench", "megaray.pipelines", "megaray.cli")
 

@@ -440,7 +440,7 @@ def flops_per_step(cfg: ModelConfig, tokens: int, seq_len: int, square_lengths: 
     given)."""
     pairs = seq_len * tokens if square_lengths is None else square_lengths
     L, window = cfg.num_hidden_layers, cfg.local_window
-    local = 0 if window is None else sum(1 for i in range(L) if cfg.window(i))
+    local = cfg.local_blocks if window is not None else 0
     if local:
         if window_square_lengths is None:
             window_square_lengths = tokens // seq_len * windowed_square(seq_len, window)

@@ -197,6 +197,11 @@ class ModelConfig:
         return None
 
     @property
+    def local_blocks(self) -> int:
+        """How many blocks attend through a sliding window."""
+        return sum(1 for t in self.layer_types or () if t == "sliding_attention")
+
+    @property
     def local_window(self) -> int | None:
         """The sliding-window blocks' window, or None where every block attends fully."""
         windowed = self.layer_types is not None and "sliding_attention" in self.layer_types

@@ -136,7 +136,7 @@ def plan(cfg: RunConfig, keep: int | None = None, on_gpu: bool = True, offload: 
     m, t = cfg.model, cfg.train
     units = build_layout(m)
     h = Handles.for_config(cfg, "plan", 0, units)
-    local = sum(1 for i in range(m.num_hidden_layers) if m.window(i))
+    local = m.local_blocks
     windows = (f"{local} of {m.num_hidden_layers} blocks attend within {m.local_window} tokens (TFLOP/s counts "
                "what a window computes)") if local else ""
     p = Plan(params=m.num_params(), active=m.active_params(), slab_bytes=h.slab_bytes, windows=windows)

@@ -114,7 +114,7 @@ def bench(cfg: RunConfig, baseline: bool = True, checkpoint_dir: str | None = No
     out: dict = {"shape": cfg.model.shape, "params": cfg.model.num_params(), "seq_len": t.seq_len,
                  "attention": (f"document (mean length {documents})" if documents else "causal") + (
                      f", windows of {cfg.model.local_window} tokens on "
-                     f"{sum(1 for i in range(cfg.model.num_hidden_layers) if cfg.model.window(i))} of "
+                     f"{cfg.model.local_blocks} of "
                      f"{cfg.model.num_hidden_layers} blocks" if cfg.model.local_window else ""),
                  "tokens_per_step": tokens_per_step, "micro_batch": t.micro_batch_size, "grad_accum": t.grad_accum,
                  "shards": cfg.optim.num_shards, "threads_per_shard": cfg.optim.threads_per_shard}

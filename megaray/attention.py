@@ -6,8 +6,10 @@ tokens. On CUDA the mask is a FlexAttention block mask built from the documents'
 (``document_block_mask``: block-sparse and fused, never [s, s], so long rows keep working);
 on the CPU, for toy heads, or without FlexAttention (torch 2.4), a dense boolean mask for
 SDPA. Causal attention is SDPA's own (flash on CUDA). A sliding window (Gemma 3's local
-blocks) is one more condition of the same masks, combined with the documents'
-(``Packing.window_mask``; ``window_mask`` for rows without documents).
+blocks) runs on CUDA through flash attention's own window (``window_attention``: the rows as
+they are, or with documents their cumulative lengths, ``Packing.cu``); elsewhere it is one more
+condition of the same masks, combined with the documents' (``Packing.window_mask``;
+``window_mask`` for rows without documents).
 """
 from __future__ import annotations
 
@@ -42,11 +44,14 @@ class Packing:
     a FlexAttention block mask on CUDA (block-sparse, fused; never [s, s]), a dense boolean
     [b, 1, s, s] mask for SDPA elsewhere (the CPU, tiny rows) or where FlexAttention is missing.
     ``window_mask``, for a model with sliding-window blocks, also keeps a token to the window
-    of tokens before it: the document's and the window's masks combined."""
+    of tokens before it: the document's and the window's masks combined; ``cu``, where flash
+    attention's window runs (``flash_windows``), the documents' cumulative lengths it takes
+    instead (``cumulative_lengths``' pair)."""
     doc: torch.Tensor
     pos: torch.Tensor
     mask: object
     window_mask: object = None
+    cu: tuple | None = None
 
     @property
     def flex(self) -> bool:
@@ -69,7 +74,8 @@ def packing(doc: torch.Tensor, head_dim: int | None = None, window: int | None =
     first = torch.searchsorted(doc, doc, side="left")          # each token's document start
     pos = torch.arange(s, device=doc.device).expand(b, s) - first
     build = document_block_mask if _uses_flex(doc, head_dim) else dense_mask
-    return Packing(doc, pos, build(doc), build(doc, window) if window else None)
+    cu = cumulative_lengths(doc) if window and flash_windows(doc.device, head_dim) else None
+    return Packing(doc, pos, build(doc), build(doc, window) if window else None, cu)
 
 
 def dense_mask(doc: torch.Tensor, window: int | None = None) -> torch.Tensor:
@@ -164,6 +170,69 @@ def cumulative_lengths(doc: torch.Tensor) -> tuple[torch.Tensor, int]:
     begin = torch.nonzero(starts.flatten()).flatten()
     cu = torch.cat([begin, begin.new_tensor([b * s])]).to(torch.int32)
     return cu, int((cu[1:] - cu[:-1]).max())
+
+
+FLASH_MAX_HEAD_DIM = 256     # flash attention's widest head
+
+
+def flash_windows(device, head_dim: int | None) -> bool:
+    """Whether sliding windows run through flash attention's own window on ``device``: CUDA
+    with the ``_flash_attention_forward`` op taking a window (torch >= 2.6), heads of at most
+    ``FLASH_MAX_HEAD_DIM`` (tried once per device on tiny bf16 inputs, so an older GPU that
+    flash does not run on takes the masks)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not FLEX_MIN_HEAD_DIM <= (head_dim or 0) <= FLASH_MAX_HEAD_DIM:
+        return False
+    return _flash_window_runs(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _flash_window_runs(index: int) -> bool:
+    try:
+        q = torch.zeros(1, 4, 2, 16, dtype=torch.bfloat16, device=f"cuda:{index}")
+        torch.ops.aten._flash_attention_forward(q, q[:, :, :1], q[:, :, :1], None, None, 4, 4, 0.0, True, False,
+                                                window_size_left=1, window_size_right=0)
+        return True
+    except (RuntimeError, TypeError, AttributeError):
+        return False
+
+
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+                    pk: Packing | None = None, scale: float | None = None) -> torch.Tensor:
+    """A block's attention: causal, within each document of ``pk``, within ``window`` tokens
+    (a sliding-window block), or both. q [b, nh, s, hd], k, v [b, nkv, s, hd]. Windows run
+    through flash attention's own (``window_attention``) where it runs (CUDA, bf16 or fp16),
+    else under the window's mask, as the documents do."""
+    b, nh, s, hd = q.shape
+    if window is None:
+        return attention(q, k, v, nh, k.shape[1], None if pk is None else pk.mask, scale)
+    if q.dtype in FLASH_DTYPES and flash_windows(q.device, hd):
+        return window_attention(q, k, v, window, scale, None if pk is None else pk.cu)
+    mask = pk.window_mask if pk is not None else window_mask(b, s, window, q.device, hd)
+    return attention(q, k, v, nh, k.shape[1], mask, scale)
+
+
+def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                     scale: float | None = None, cu: tuple | None = None) -> torch.Tensor:
+    """Causal attention within ``window``: each token attends to the ``window`` tokens up to
+    itself (itself included: flash's window (window - 1, 0)), through flash attention's own
+    sliding window, its grouped kv heads as they are; with ``cu`` (``Packing.cu``) also within
+    each document, the rows laid end to end. q [b, nh, s, hd], k, v [b, nkv, s, hd] (any
+    strides with the head's elements contiguous); the result like q. CUDA only
+    (``flash_windows``); autograd's backward is flash's, with the same window."""
+    b, nh, s, hd = q.shape
+    flash = torch.ops.aten._flash_attention_forward
+    kw = {"scale": scale, "window_size_left": window - 1, "window_size_right": 0}
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)       # [b, s, heads, hd]
+    if cu is None:
+        return flash(q, k, v, None, None, s, s, 0.0, True, False, **kw)[0].transpose(1, 2)
+    starts, longest = cu
+    q, k, v = (t.reshape(b * s, t.shape[2], hd) for t in (q, k, v))
+    out = flash(q, k, v, starts, starts, longest, longest, 0.0, True, False, **kw)[0]
+    return out.view(b, s, nh, hd).transpose(1, 2)
 
 
 def packing_mask_bytes(b: int, s: int, flex: bool) -> int:

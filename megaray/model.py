@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megaray.attention import Packing, attention, window_mask
+from megaray.attention import Packing, block_attention
 from megaray.config import ModelConfig
 from megaray.fused import fused
 from megaray.init_weights import init_param, init_params, init_unit  # noqa: F401 - model's API too
@@ -323,11 +323,6 @@ def block_forward(w: dict, x: torch.Tensor, rope, cfg: ModelConfig, mlp_chunk: i
         cos, sin = cos[:s], sin[:s]
     else:
         cos, sin = cos[pk.pos].unsqueeze(1), sin[pk.pos].unsqueeze(1)
-    window = cfg.window(layer)
-    if window is None:
-        mask = None if pk is None else pk.mask
-    else:
-        mask = pk.window_mask if pk is not None else window_mask(b, s, window, x.device, hd)
     eps = cfg.rms_norm_eps
     lean = lean and torch.is_grad_enabled()
     post = cfg.norm_placement == "post"           # OLMo 2: the norms on attention's and the MLP's outputs
@@ -353,7 +348,7 @@ def block_forward(w: dict, x: torch.Tensor, rope, cfg: ModelConfig, mlp_chunk: i
     k = apply_rope(k.transpose(1, 2), cos.to(k.dtype), sin.to(k.dtype))
     v = v.view(b, s, nkv, hd).transpose(1, 2)
     scale = None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5
-    a = attention(q, k, v, nh, nkv, mask, scale)
+    a = block_attention(q, k, v, cfg.window(layer), pk, scale)
     a = a.transpose(1, 2).reshape(b, s, nh * hd)
     o = F.linear(a, w["self_attn.o_proj.weight"])
     if sandwich:

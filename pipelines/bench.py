@@ -10,7 +10,8 @@ from .args import parse, parser
 def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     p = parser(prog, "megaray vs a GPU-resident PyTorch baseline of the same model and batches, in one "
                      "process tree: both step times, their ratio, and where megaray's time went")
-    p.add_argument("--shape", default="llama1b", help="a model shape of the registry (megaray.shapes)")
+    p.add_argument("--shape", help="a model shape of the registry (megaray.shapes; default llama1b, and "
+                                   "llama3b's heads for --attention-alone)")
     p.add_argument("--seq", type=int, default=2048, help="tokens a row (train.seq_len)")
     p.add_argument("--tokens", type=int, default=65536, help="tokens per step")
     p.add_argument("--micro-batch", type=int, default=4, help="rows a micro-batch (train.micro_batch_size)")
@@ -20,10 +21,11 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     p.add_argument("--no-baseline", action="store_true", help="megaray alone (a model the GPU cannot hold)")
     p.add_argument("--attention-alone", metavar="SEQxBATCH,...",
                    help="instead: one attention layer alone on the GPU, causal and by document (--documents, "
-                        "default 512), e.g. 2048x4,131072x1")
+                        "default 512), with --shape's heads and its window where it has one, e.g. 2048x4,131072x1")
     p.add_argument("--block-alone", metavar="SEQxBATCH,...",
                    help="instead: one decoder block of --shape alone on the GPU, its elementwise passes fused and "
-                        "eager, against its matrix products and attention alone, e.g. 4096x1")
+                        "eager, against its matrix products and attention alone, e.g. 4096x1; rows of packed "
+                        "documents with --documents; a model with sliding windows: a local and a global block")
     p.add_argument("--documents", type=int, metavar="MEAN_LEN",
                    help="rows of packed documents of this mean length, under document attention")
     p.add_argument("--set", nargs="*", default=[], help="section.key=value for the megaray config")
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None, prog: str = "megaray bench") -> int:
     p.add_argument("--adamw-alone", metavar="PxT,...", help="instead: the CPU AdamW alone, for every state "
                    "combination, P processes x T threads each, e.g. 1x16,4x4,8x2,16x1 (no GPU needed)")
     a = parse(p, argv)
+    if a.shape is None and not a.attention_alone:
+        a.shape = "llama1b"
     for key in ("attention_alone", "block_alone", "adamw_alone"):
         if getattr(a, key):
             return _alone(key, a, prog)
@@ -76,7 +80,7 @@ def _alone(key: str, a, prog: str) -> int:
     if key == "attention_alone":
         from megaray.bench.attention import print_rows, run
 
-        rows = run(_cases(a.attention_alone), a.documents or 512)
+        rows = run(_cases(a.attention_alone), a.documents or 512, shape=a.shape or "llama3b")
     elif key == "block_alone":
         import torch
 
@@ -85,7 +89,7 @@ def _alone(key: str, a, prog: str) -> int:
             return 2
         from megaray.bench.block import print_rows, run
 
-        rows = run(a.shape, _cases(a.block_alone))
+        rows = run(a.shape, _cases(a.block_alone), documents=a.documents)
     else:
         from megaray.bench.adamw import print_rows, run
 

@@ -148,6 +148,26 @@ def test_the_block_bench_runs_every_case_on_the_cpu(shape):
     print_rows([row])
 
 
+def test_the_block_bench_times_a_local_and_a_global_block_over_documents():
+    """A model with windows: the block bench times block 0 (a window of 4) and its first
+    global block over the same rows of documents, each block's FLOPs counting what its
+    attention computes: by hand, rows of 16 as documents of 10 + 6 and 16 tokens, the local
+    block's pairs (10^2 - 6^2) + (6^2 - 2^2) + (16^2 - 12^2) = 208, the global one's
+    10^2 + 6^2 + 16^2 = 392."""
+    from megaray.bench.block import block_flops, print_rows, run, timed_layers
+    from megaray.cost import active_block_params
+
+    m = ModelConfig.from_shape("debug_gemma3")
+    assert timed_layers(m) == [0, 1] and (m.window(0), m.window(1)) == (4, None)
+    doc = np.array([[0] * 10 + [1] * 6, [0] * 16])
+    for layer, pairs in ((0, 208), (1, 392)):
+        assert block_flops(m, 16, 2, layer, doc) == 2 * (32 * active_block_params(m) + m.hidden_size * pairs)
+    rows = run("debug_gemma3", [(16, 2)], reps=1, device="cpu", documents=5)
+    assert [(r["layer"], r["window"]) for r in rows] == [(0, 4), (1, None)]
+    assert rows[0]["forward_flops"] < rows[1]["forward_flops"] and rows[0]["mean_doc_len"] < 16
+    print_rows(rows)
+
+
 def test_bench_with_sliding_windows_counts_what_the_windows_compute(ray_cluster):
     """Gemma 3's windows in the bench: megaray and the resident baseline run the same windowed
     blocks from the same weights (their first losses equal), and the attention's work is what

@@ -235,6 +235,45 @@ def test_document_attention_on_the_gpu_equals_documents_alone():
     torch.testing.assert_close(gw, gw_ref, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("head_dim,window", [(128, 100), (256, 100), (256, 8)])
+def test_flash_windows_equal_the_window_masks_on_the_gpu(head_dim, window):
+    """Sliding windows through flash attention's own window (``window_attention``, what the
+    windowed blocks run in bf16 on CUDA), rows as they are and rows of documents, against
+    SDPA under the dense window-and-document mask in fp32 from the same bf16 inputs: output
+    and q, k, v gradients to bf16 rounding, and the output farther from a window one token
+    wider. Rows of 300 tokens (documents of 150 + 30 + 120 and 300 tokens: windows inside
+    and across documents)."""
+    from megaray.attention import dense_mask, flash_windows, packing, window_attention
+
+    assert flash_windows("cuda", head_dim)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    b, s, nh, nkv, scale = 2, 300, 8, 2, 0.07
+    q = torch.randn(b, nh, s, head_dim, device="cuda", generator=gen).bfloat16()
+    k = torch.randn(b, nkv, s, head_dim, device="cuda", generator=gen).bfloat16()
+    v = torch.randn(b, nkv, s, head_dim, device="cuda", generator=gen).bfloat16()
+    dy = torch.randn(b, nh, s, head_dim, device="cuda", generator=gen).bfloat16()
+    lengths = [[150, 30, 120], [300]]
+    doc = torch.stack([torch.cat([torch.full((n,), d) for d, n in enumerate(ls)]) for ls in lengths]).cuda()
+    for ids in (torch.zeros_like(doc), doc):
+        pk = packing(ids, head_dim, window)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        y = window_attention(*leaves, window, scale, pk.cu if ids is doc else None)
+        grads = torch.autograd.grad(y, leaves, dy)
+        ref = [t.float().clone().requires_grad_() for t in (q, k, v)]
+        y_ref = torch.nn.functional.scaled_dot_product_attention(
+            ref[0], ref[1].repeat_interleave(nh // nkv, 1), ref[2].repeat_interleave(nh // nkv, 1),
+            attn_mask=dense_mask(ids.to(torch.int32), window), scale=scale)
+        grads_ref = torch.autograd.grad(y_ref, ref, dy.float())
+        torch.testing.assert_close(y.float(), y_ref, rtol=2e-2, atol=2e-2)
+        wider = torch.nn.functional.scaled_dot_product_attention(
+            *(t.detach() for t in (ref[0], ref[1].repeat_interleave(nh // nkv, 1),
+                                   ref[2].repeat_interleave(nh // nkv, 1))),
+            attn_mask=dense_mask(ids.to(torch.int32), window + 1), scale=scale)
+        assert (y.float() - y_ref).abs().max() < (y.float() - wider).abs().max() / 4
+        for g, g_ref in zip(grads, grads_ref):
+            torch.testing.assert_close(g.float(), g_ref, rtol=2e-2, atol=2e-2)
+
+
 def test_the_attention_bench_times_every_kernel():
     """``megaray bench --attention-alone``: each kernel timed; the share of pairs kept by
     documents of mean 64 in rows of 512 is well under causal's."""
@@ -246,6 +285,10 @@ def test_the_attention_bench_times_every_kernel():
     if varlen_kernel() is not None:      # torch >= 2.10: flash varlen is a candidate too
         assert row.get("varlen_document_s", 0) > 0, row.get("varlen_document_error")
     assert 0 < row["pairs_kept"] < 0.5
+    (row,) = run([(512, 2)], 64, reps=1, shape="gemma3_12b")       # its heads, and its window of 1024
+    assert row["flex_window_s"] > 0 and row["flex_document_window_s"] > 0
+    if varlen_kernel() is not None:
+        assert row.get("varlen_window_s", 0) > 0, row.get("varlen_window_error")
 
 
 def test_the_block_bench_times_fused_and_eager_passes():
@@ -308,3 +351,4 @@ def test_a_mixture_of_experts_trains_on_the_gpu_as_on_the_cpu(gpu_ray):
     np.testing.assert_allclose([m["router_loss"] for m in gpu_m], [m["router_loss"] for m in cpu_m], rtol=1e-5)
     bf_l, _ = _train("cuda", "bfloat16", extra=extra)
     np.testing.assert_allclose(bf_l, cpu_l, rtol=2e-2)
+

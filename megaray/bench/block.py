@@ -6,14 +6,20 @@ forward and backward of the lean block (kept blocks) and of plain autograd's (re
 
 Weights and inputs are random in bf16, one micro-batch of ``batch`` x ``seq`` tokens; each
 case runs ``reps`` times after a warm-up (the compilation), and the time is the median. The
-weights' gradients are taken as the worker takes them, at each weight.
+weights' gradients are taken as the worker takes them, at each weight. With ``documents`` (a
+mean length) the rows are packed documents under document attention, as ``megaray train``
+runs them. A model with sliding windows (Gemma 3) is timed twice: a local block (block 0)
+and its first global one, each with its FLOPs (what its window and documents compute), so
+the local block's time can be held against its share of the work.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from megaray import fused
+from megaray.attention import packing
 from megaray.bench.attention import median_seconds
 from megaray.config import ModelConfig
 from megaray.cost import active_block_params
@@ -62,20 +68,32 @@ def _products(w: dict, x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return y.view(top, -1, hd_model).sum(0).view(b, s, hd_model) + F.linear(rows, w["mlp.gate.weight"]).sum()
 
 
-def block_flops(cfg: ModelConfig, seq: int, batch: int) -> float:
-    """One block's forward FLOPs over ``batch`` x ``seq`` tokens, as the TFLOP/s figure counts
-    them (``cost.block_forward_seconds``' terms): 2 x active parameters x tokens and causal
-    attention's 2 x hidden x sequence x tokens (block 0's window's work where it has one:
-    ``model.windowed_square``); a forward and backward is three times it."""
-    window = cfg.window(0)
-    pairs = seq * seq if window is None else windowed_square(seq, window)
-    return 2.0 * batch * (seq * active_block_params(cfg) + cfg.hidden_size * pairs)
+def block_flops(cfg: ModelConfig, seq: int, batch: int, layer: int = 0, doc: np.ndarray | None = None) -> float:
+    """Block ``layer``'s forward FLOPs over ``batch`` x ``seq`` tokens, as the TFLOP/s figure
+    counts them (``cost.block_forward_seconds``' terms): 2 x active parameters x tokens and
+    attention's 2 x hidden x (squared lengths): the rows', or with ``doc`` (each token's
+    document, [batch, seq]) each document's, less what the block's window drops
+    (``model.windowed_square``); a forward and backward is three times it."""
+    window = cfg.window(layer)
+    lengths = [seq] * batch if doc is None else [n for row in doc for n in np.unique(row, return_counts=True)[1]]
+    pairs = sum(n * n if window is None else windowed_square(int(n), window) for n in lengths)
+    return 2.0 * (batch * seq * active_block_params(cfg) + cfg.hidden_size * pairs)
 
 
-def _case(cfg: ModelConfig, seq: int, batch: int, reps: int, device: str = "cuda") -> dict:
+def timed_layers(cfg: ModelConfig) -> list[int]:
+    """The blocks the bench times: block 0, and a model's first global block where block 0
+    attends through a sliding window."""
+    if cfg.window(0) is None:
+        return [0]
+    return [0] + [i for i in range(cfg.num_hidden_layers) if cfg.window(i) is None][:1]
+
+
+def _case(cfg: ModelConfig, seq: int, batch: int, reps: int, device: str = "cuda", layer: int = 0,
+          doc: np.ndarray | None = None) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     w = _weights(cfg, gen, device)
-    rope = Ropes(cfg, seq, device=device)     # block 0: a sliding-window block where the model has them
+    rope = Ropes(cfg, seq, device=device)
+    pk = None if doc is None else packing(torch.from_numpy(doc).to(device), cfg.head_dim, cfg.window(layer))
     x = torch.randn(batch, seq, cfg.hidden_size, generator=gen, device=device).bfloat16()
     dy = torch.randn(batch, seq, cfg.hidden_size, generator=gen, device=device).bfloat16()
 
@@ -93,10 +111,13 @@ def _case(cfg: ModelConfig, seq: int, batch: int, reps: int, device: str = "cuda
                 forward(w, x)
         return go
 
-    cases = {"forward_s": no_grad(lambda ws, xi: block_forward(ws, xi, rope, cfg)),
-             "lean_s": backward(lambda ws, xi: block_forward(ws, xi, rope, cfg, lean=True)),
-             "plain_s": backward(lambda ws, xi: block_forward(ws, xi, rope, cfg, lean=False))}
-    row = {"seq": seq, "batch": batch, "forward_flops": block_flops(cfg, seq, batch)}
+    def block(lean: bool):
+        return lambda ws, xi: block_forward(ws, xi, rope, cfg, lean=lean, pk=pk, layer=layer)
+
+    cases = {"forward_s": no_grad(block(True)), "lean_s": backward(block(True)), "plain_s": backward(block(False))}
+    row = {"seq": seq, "batch": batch, "layer": layer, "window": cfg.window(layer),
+           "mean_doc_len": None if doc is None else float(doc.size / sum(len(np.unique(r)) for r in doc)),
+           "forward_flops": block_flops(cfg, seq, batch, layer, doc)}
     for mode in ("eager", "fused"):
         fused.configure(enabled=mode == "fused")
         row[mode] = {k: median_seconds(fn, reps) for k, fn in cases.items()}
@@ -109,15 +130,23 @@ def _case(cfg: ModelConfig, seq: int, batch: int, reps: int, device: str = "cuda
     return row
 
 
-def run(shape: str, cases: list[tuple[int, int]], reps: int = 10, device: str = "cuda") -> list[dict]:
-    """For each (seq, batch): one block's seconds, fused and eager, and its products alone
-    (``device`` other than the GPU for tests: the passes then run eagerly both ways)."""
+def run(shape: str, cases: list[tuple[int, int]], reps: int = 10, device: str = "cuda",
+        documents: int | None = None, seed: int = 0) -> list[dict]:
+    """For each (seq, batch) and each of ``timed_layers``: one block's seconds, fused and
+    eager, and its products alone (``device`` other than the GPU for tests: the passes then
+    run eagerly both ways). ``documents``: rows of packed documents of this mean length
+    (``bench.document_ids``), the same ones for every block of a case."""
+    from megaray.bench.run import document_ids
+
     cfg = ModelConfig.from_shape(shape)
+    rng = np.random.default_rng(seed)
     rows = []
     for seq, batch in cases:
-        rows.append({"shape": shape, **_case(cfg, seq, batch, reps, device)})
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        doc = None if documents is None else document_ids(rng, (batch, seq), documents)
+        for layer in timed_layers(cfg):
+            rows.append({"shape": shape, **_case(cfg, seq, batch, reps, device, layer, doc)})
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -125,10 +154,17 @@ def print_rows(rows: list[dict]) -> None:
     print("one block alone (bf16, median ms; lean and plain: forward and backward):")
     for r in rows:
         e, f, p = r["eager"], r["fused"], r["products"]
-        print(f"  {r['shape']} seq {r['seq']} x {r['batch']}: forward {1e3 * e['forward_s']:.2f} eager, "
+        where = (f" block {r['layer']}" + (f" (window {r['window']})" if r["window"] else "")
+                 + (f", documents of mean {r['mean_doc_len']:.0f}" if r["mean_doc_len"] else ""))
+        print(f"  {r['shape']}{where} seq {r['seq']} x {r['batch']}: forward {1e3 * e['forward_s']:.2f} eager, "
               f"{1e3 * f['forward_s']:.2f} fused, {1e3 * p['forward_s']:.2f} products alone; lean "
               f"{1e3 * e['lean_s']:.2f} / {1e3 * f['lean_s']:.2f}; plain {1e3 * e['plain_s']:.2f} / "
               f"{1e3 * f['plain_s']:.2f}; products alone {1e3 * p['backward_s']:.2f}; TFLOP/s forward and "
               f"backward: plain fused {3e-12 * r['forward_flops'] / f['plain_s']:.0f}, products alone "
               f"{3e-12 * r['forward_flops'] / p['backward_s']:.0f}"
               + (f"; fusing failed: {r['fused_error']}" if "fused_error" in r else ""))
+    for local, full in zip(rows, rows[1:]):
+        if local["window"] and not full["window"] and (local["seq"], local["batch"]) == (full["seq"], full["batch"]):
+            time = local["fused"]["plain_s"] / full["fused"]["plain_s"]
+            print(f"    the window's block against the global one: {time:.3f} of its time for "
+                  f"{local['forward_flops'] / full['forward_flops']:.3f} of its work")

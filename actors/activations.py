@@ -7,9 +7,10 @@ Every block's *input* is saved for each micro-batch. Beyond that:
   device's budget, corrected after every step by the measured peak and one kept block's
   measured cost (``memory.adapt_keep``). They keep what the lean block saves, or, when every
   block fits that way (``memory.kept_plain``), plain autograd's activations, which run faster;
-- the first N blocks' inputs wait in pinned host memory (``worker.offload_inputs``, or, when
-  unset, the fewest the model needs for the step to fit), going out on the offload stream
-  after the compute that wrote them and coming back one block ahead of their backward;
+- the first N blocks' inputs wait in pinned host memory (``worker.offload_inputs``: when the
+  user leaves it unset, the plan's number, ``plan.resolve``, which its host memory counts; the
+  worker never offloads on its own), going out on the offload stream after the compute that
+  wrote them and coming back one block ahead of their backward;
 - with ``worker.input_stride`` S > 1 only every S-th recomputed block's input is saved at all
   (and, among the first N, offloaded); the backward rebuilds the others from it
   (``memory.recompute_order``).
@@ -33,7 +34,6 @@ class ActivationPolicy:
         self.stride = cfg.worker.stride             # every stride-th block's input is saved
         self._keep: int | None = None
         self.lean = True                            # kept blocks save the lean block's internals
-        self._offload: int | None = None
         self.kept_block_bytes = 0                   # measured device memory of one kept block
         self._kept_bufs: list[torch.Tensor] = []
         self.host_inputs: torch.Tensor | None = None
@@ -56,19 +56,16 @@ class ActivationPolicy:
         return self._keep
 
     def _planned_offload(self) -> int:
-        k = self.cfg.worker.offload_inputs
-        if k is None:
-            if self._offload is None:
-                self._offload = 0
-                if self.dev.cuda:
-                    self._offload = memory.offload_count(self.cfg, self._budget(),
-                                                         cast_slab_bytes=self.cast_slab_bytes)
-            k = self._offload
-        return k
+        """The config's number (resolved by the plan; None, an unresolved config: none). A
+        count of the worker's own, from the free memory it sees once its CUDA libraries are
+        loaded, once offloaded every block's input on a run the plan had fit with none: 12 GiB
+        of pinned host memory it had not counted, and the host's OOM killer ended the run
+        (BENCHMARKS.md run 68)."""
+        return self.cfg.worker.offload_inputs or 0
 
     def offload_count(self, keep_from: int) -> int:
-        """Blocks (the first ones) whose inputs wait in host memory: the config's number, or,
-        when unset, those the model cannot fit on the device. Never a kept block's."""
+        """Blocks (the first ones) whose inputs wait in host memory: the config's number, never
+        a kept block's."""
         return min(self._planned_offload(), keep_from, self.L)
 
     def measure_kept_block(self, allocated_before: int, buf: torch.Tensor) -> None:

@@ -162,7 +162,8 @@ class WorkerConfig:
     offload_inputs: int | None = None
     """Blocks (the first ones) whose saved inputs wait in pinned host memory between the
     forward and the backward instead of on the GPU; null: none, unless the memory plan does
-    not fit the GPU, then as many as it takes."""
+    not fit the GPU, then as many as it takes, decided once by the plan at start (the host
+    plan counts them; the worker never offloads more)."""
     input_stride: int | None = None
     """Every how many blocks a recomputed block's input is saved between the forward and the
     backward. 1: every block's. S > 1: only every S-th block's (blocks 0, S, 2S, ... below the

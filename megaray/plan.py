@@ -308,7 +308,9 @@ def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> R
     2. ``optim.resident_units``: the cost model's fastest number of resident units within the
        GPU budget and host memory (``choose_placement``; host without a GPU, or where resident
        units cannot be: bf16 state, several workers, a remote worker);
-    3. ``worker.input_stride`` null, once the placement is known (``input_stride``);
+    3. ``worker.input_stride`` null, once the placement is known (``input_stride``), then
+       ``worker.offload_inputs`` null on a GPU: the inputs that must wait in host memory for
+       the step to fit the GPU budget (``offload_needed``), the number the host plan counts;
     4. ``optim.grad_ring_slabs`` null: everything above is chosen with the shallowest ring,
        which ``ring_depth`` then deepens with what host memory spares, so a deep ring never
        costs a resident unit.
@@ -340,6 +342,10 @@ def _placed(cfg: RunConfig, machine: Machine, speeds: Speeds, gpu: int | None) -
         cfg = replaced(cfg, "optim", resident_units=res or "host")
     if cfg.worker.input_stride is None:
         cfg = replaced(cfg, "worker", input_stride=input_stride(cfg, machine))
+    if cfg.worker.offload_inputs is None and gpu is not None:
+        # the worker offloads exactly what the host plan counts, never its own count from the
+        # free memory it sees at step 0 (the CUDA libraries loaded by then: a smaller budget)
+        cfg = replaced(cfg, "worker", offload_inputs=offload_needed(cfg, gpu))
     return cfg
 
 
@@ -455,12 +461,9 @@ def shard_speeds(cfg: RunConfig) -> Speeds:
 def plan_for(cfg: RunConfig, machine: Machine) -> Plan:
     """The plan of the run as it would run on ``machine``: on its GPU (offloading the inputs
     the worker would offload) or, without one, on the CPU (which holds the step's gradients)."""
-    cfg = resolve(cfg, machine)
+    cfg = resolve(cfg, machine)          # worker.offload_inputs decided: what the worker offloads
     gpu = gpu_budget(cfg, machine)
-    offload = None
-    if cfg.worker.offload_inputs is None and gpu is not None:
-        offload = offload_needed(cfg, gpu)     # what the worker will choose
-    p = plan(cfg, on_gpu=gpu is not None, offload=offload)
+    p = plan(cfg, on_gpu=gpu is not None)
     p.gpu_budget = gpu
     return p
 

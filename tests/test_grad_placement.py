@@ -187,3 +187,33 @@ def test_a_524k_token_llama8b_step_fits_the_h200_machine_by_input_stride():
                         "--gpu-gib", "139.8"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "worker.input_stride 2" in r.stdout and "DOES NOT FIT" not in r.stdout
+
+
+def test_the_worker_offloads_the_inputs_the_host_plan_counts():
+    """``worker.offload_inputs`` null is decided by the plan (``resolve``), so the worker
+    offloads exactly what the host plan counts. qwen3moe30b's 24 layers at 4 x 4096 tokens a
+    micro-batch on an H100 machine fit with none; from a budget 1 GiB smaller (what the worker
+    saw at step 0 once its CUDA libraries were loaded) the worker counted its own and offloaded
+    every block's input, 24 x 0.5 GiB of pinned host memory the plan never had, and the host's
+    OOM killer ended the run (BENCHMARKS.md run 68)."""
+    from megaray import memory
+    from megaray.bench.run import bench_config
+    from megaray.plan import cast_slab_bytes, gpu_budget
+
+    cfg = bench_config("qwen3moe30b", 4096, 131072, 4, 4, 4, 4, {"model.num_hidden_layers": 24,
+                                                                   "optim.moment_dtype": "bfloat16",
+                                                                   "worker.device": "cuda"})
+    machine = Machine(int(123.3 * GiB), int(123.3 * GiB), int(79.6 * GiB))
+    resolved = resolve(cfg, machine)
+    assert resolved.worker.offload_inputs == 0 == plan_for(cfg, machine).offload_inputs
+    assert resolve(resolved, machine) == resolved
+    # the old worker's own count from any budget below the step's need: every block
+    slab = cast_slab_bytes(resolved)
+    need = memory.gpu_total(resolved, 0, 0, slab)
+    assert need <= gpu_budget(resolved, machine) < need + 2 * GiB
+    assert memory.offload_count(resolved, need - 1, cast_slab_bytes=slab) == 24
+    # where the step needs some (llama8b's 524k-token row with every input saved), the same
+    # number is the worker's and the host plan's
+    one = replaced(load_config("llama8b_512k"), "worker", input_stride=1)
+    h200 = Machine(int(119.8 * GiB), int(119.8 * GiB), int(139.8 * GiB))
+    assert resolve(one, h200).worker.offload_inputs == plan_for(one, h200).offload_inputs > 0

@@ -192,8 +192,8 @@ def test_a_524k_token_llama8b_step_fits_the_h200_machine_by_input_stride():
 def test_the_worker_offloads_the_inputs_the_host_plan_counts():
     """``worker.offload_inputs`` null is decided by the plan (``resolve``), so the worker
     offloads exactly what the host plan counts. qwen3moe30b's 24 layers at 4 x 4096 tokens a
-    micro-batch on an H100 machine fit with none; from a budget 1 GiB smaller (what the worker
-    saw at step 0 once its CUDA libraries were loaded) the worker counted its own and offloaded
+    micro-batch on an H100 machine fit with none; from a budget a little smaller (what the
+    worker saw at step 0 once its CUDA libraries were loaded) it counted its own and offloaded
     every block's input, 24 x 0.5 GiB of pinned host memory the plan never had, and the host's
     OOM killer ended the run (BENCHMARKS.md run 68)."""
     from megaray import memory

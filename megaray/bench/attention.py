@@ -8,9 +8,10 @@ to end, each document its own sequence) and through SDPA with a dense boolean ma
 Rows are packed documents of exponentially distributed lengths (``bench.document_ids``), the
 heads a shape's (llama3b's by default: 24 query heads, 8 kv heads, 128 wide), bf16. A shape
 with sliding windows (Gemma 3) is also timed under its window, causal rows and documents,
-through FlexAttention's windowed block mask (what megaray runs) and flash varlen's own window
-(``window_size``). Each kernel runs ``reps`` times after a warm-up (FlexAttention's
-compilation); the time is the median.
+through FlexAttention's windowed block mask and flash varlen's own window (``window_size``: the
+kernel megaray's windowed blocks run on CUDA, ``attention.window_attention``, there with the kv
+heads grouped). Each kernel runs ``reps`` times after a warm-up (FlexAttention's compilation);
+the time is the median.
 """
 from __future__ import annotations
 
@@ -137,9 +138,9 @@ def run(cases: list[tuple[int, int]], mean_len: int, reps: int = 5, seed: int = 
 
 
 def print_rows(rows: list[dict]) -> None:
+    if rows:
+        print(f"attention alone ({rows[0].get('shape', 'llama3b')} heads, bf16, forward + backward, median s):")
     for r in rows:
-        if rows.index(r) == 0:
-            print(f"attention alone ({r.get('shape', 'llama3b')} heads, bf16, forward + backward, median s):")
         dense = f"{r['sdpa_dense_mask_s']:.4f}" if "sdpa_dense_mask_s" in r else "does not fit"
         varlen = (f"{r['varlen_document_s']:.4f} (kv heads {r['varlen_kv_heads']})" if "varlen_document_s" in r
                   else r.get("varlen_document_error", "not in this torch"))

@@ -395,10 +395,8 @@ def _fitting_step(cfg: RunConfig, machine: Machine, speeds: Speeds, gpu: int | N
     if shortfalls(p, machine):
         return None
     keep = 0
-    if gpu is not None:
-        slab = cast_slab_bytes(cfg)
-        offload = memory.offload_count(cfg, gpu, cast_slab_bytes=slab)
-        keep, _ = memory.keep_choice(cfg, gpu, offload, slab)
+    if gpu is not None:     # the inputs the plan offloads (resolved: worker.offload_inputs)
+        keep, _ = memory.keep_choice(cfg, gpu, p.offload_inputs, cast_slab_bytes(cfg))
     return predict(cfg, speeds, keep)["step_s"]
 
 

@@ -50,6 +50,24 @@ SHARD_GAUGES = {
 }
 
 
+def document_lengths(doc: np.ndarray) -> np.ndarray:
+    """The lengths of the documents of rows of tokens' document ids (``doc`` [..., seq]): each
+    run of one id within a row is a document (one ends where its row ends)."""
+    rows = doc.reshape(-1, doc.shape[-1])
+    starts = np.ones(rows.shape, dtype=bool)
+    starts[:, 1:] = rows[:, 1:] != rows[:, :-1]
+    begin = np.flatnonzero(starts.ravel())
+    return np.diff(np.append(begin, rows.size)).astype(np.int64)
+
+
+def square_document_lengths(doc: np.ndarray, window: int | None = None) -> int:
+    """The documents' squared lengths summed (``document_lengths``), or with ``window`` what a
+    sliding window leaves of each (``model.windowed_square``): attention's work in pair-units."""
+    lengths = document_lengths(doc)
+    over = np.clip(lengths - window, 0, None) if window is not None else 0
+    return int((lengths * lengths - over * over).sum())
+
+
 @dataclass(frozen=True)
 class Batch:
     """One step's rows (or an evaluation's), [micro_batches, rows, seq_len + 1] each."""
@@ -113,16 +131,7 @@ class Batch:
         sliding window leaves of each (``model.windowed_square``)."""
         if self.doc is None:
             return None
-        rows = np.asarray(self.doc)[..., :-1]
-        rows = rows.reshape(-1, rows.shape[-1])
-        starts = np.ones(rows.shape, dtype=bool)
-        starts[:, 1:] = rows[:, 1:] != rows[:, :-1]
-        begin = np.flatnonzero(starts.ravel())
-        lengths = np.diff(np.append(begin, rows.size)).astype(np.int64)
-        if window is not None:
-            over = np.clip(lengths - window, 0, None)
-            return int((lengths * lengths - over * over).sum())
-        return int((lengths * lengths).sum())
+        return square_document_lengths(np.asarray(self.doc)[..., :-1], window)
 
     def _arrays(self) -> tuple:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))

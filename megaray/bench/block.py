@@ -26,6 +26,7 @@ from megaray.cost import active_block_params
 from megaray.layout import build_layout
 from megaray.model import Ropes, block_forward, windowed_square
 from megaray.moe import expert_linear
+from megaray.step import document_lengths, square_document_lengths
 
 
 def _weights(cfg: ModelConfig, gen: torch.Generator, device: str) -> dict:
@@ -75,8 +76,10 @@ def block_flops(cfg: ModelConfig, seq: int, batch: int, layer: int = 0, doc: np.
     document, [batch, seq]) each document's, less what the block's window drops
     (``model.windowed_square``); a forward and backward is three times it."""
     window = cfg.window(layer)
-    lengths = [seq] * batch if doc is None else [n for row in doc for n in np.unique(row, return_counts=True)[1]]
-    pairs = sum(n * n if window is None else windowed_square(int(n), window) for n in lengths)
+    if doc is None:
+        pairs = batch * (seq * seq if window is None else windowed_square(seq, window))
+    else:
+        pairs = square_document_lengths(doc, window)
     return 2.0 * (batch * seq * active_block_params(cfg) + cfg.hidden_size * pairs)
 
 
@@ -116,7 +119,7 @@ def _case(cfg: ModelConfig, seq: int, batch: int, reps: int, device: str = "cuda
 
     cases = {"forward_s": no_grad(block(True)), "lean_s": backward(block(True)), "plain_s": backward(block(False))}
     row = {"seq": seq, "batch": batch, "layer": layer, "window": cfg.window(layer),
-           "mean_doc_len": None if doc is None else float(doc.size / sum(len(np.unique(r)) for r in doc)),
+           "mean_doc_len": None if doc is None else float(doc.size / len(document_lengths(doc))),
            "forward_flops": block_flops(cfg, seq, batch, layer, doc)}
     for mode in ("eager", "fused"):
         fused.configure(enabled=mode == "fused")

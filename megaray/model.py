@@ -25,6 +25,7 @@ from megaray.attention import Packing, block_attention
 from megaray.config import ModelConfig
 from megaray.fused import fused
 from megaray.init_weights import init_param, init_params, init_unit  # noqa: F401 - model's API too
+from megaray.model_config import windowed_square
 from megaray.moe import moe_mlp
 from megaray.rope import Ropes, apply_rope, rope_tables  # noqa: F401 - rope_tables: model's API too
 
@@ -443,10 +444,3 @@ def flops_per_step(cfg: ModelConfig, tokens: int, seq_len: int, square_lengths: 
     else:
         attention = L * pairs
     return 6.0 * cfg.active_params() * tokens + 6.0 * cfg.hidden_size * attention
-
-
-def windowed_square(length: int, window: int) -> int:
-    """A document's attention work under a window, in squared-length units: length^2 less the
-    (length - window)^2 pairs the window drops (``Batch.square_document_lengths`` likewise)."""
-    over = max(0, length - window)
-    return length * length - over * over

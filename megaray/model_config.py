@@ -10,6 +10,14 @@ from megaray.errors import ConfigError
 from megaray.shapes import SHAPES
 
 
+def windowed_square(length, window: int):
+    """A document's attention work under a window, in squared-length units: length^2 less the
+    (length - window)^2 pairs the window drops. ``length`` an int, or an integer array of
+    lengths (each its own: ``step.square_document_lengths`` sums them)."""
+    over = (length - window) * (length > window)
+    return length * length - over * over
+
+
 @dataclass(kw_only=True)
 class ModelConfig:
     """A Llama-family decoder (Gemma 3, Phi-3 and OLMo 2 its variants), in Hugging Face config.json terms.

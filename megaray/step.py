@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megaray.model_config import windowed_square
+
 # The run's metric names: each per-step quantity has one name everywhere, the key in
 # metrics.jsonl, the TensorBoard tag train/<name> and the Prometheus series ray_megaray_<name>
 # (``actors.metrics`` exports them).
@@ -62,10 +64,9 @@ def document_lengths(doc: np.ndarray) -> np.ndarray:
 
 def square_document_lengths(doc: np.ndarray, window: int | None = None) -> int:
     """The documents' squared lengths summed (``document_lengths``), or with ``window`` what a
-    sliding window leaves of each (``model.windowed_square``): attention's work in pair-units."""
+    sliding window leaves of each (``model_config.windowed_square``): attention's work in pair-units."""
     lengths = document_lengths(doc)
-    over = np.clip(lengths - window, 0, None) if window is not None else 0
-    return int((lengths * lengths - over * over).sum())
+    return int((lengths * lengths if window is None else windowed_square(lengths, window)).sum())
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ class Batch:
         """The sum over the batch's documents of their squared lengths in input tokens (a
         document ends where its row ends), or None without document attention: what
         ``model.flops_per_step`` counts the attention's work by. With ``window``, what a
-        sliding window leaves of each (``model.windowed_square``)."""
+        sliding window leaves of each (``model_config.windowed_square``)."""
         if self.doc is None:
             return None
         return square_document_lengths(np.asarray(self.doc)[..., :-1], window)

@@ -24,7 +24,8 @@ from megaray.bench.attention import median_seconds
 from megaray.config import ModelConfig
 from megaray.cost import active_block_params
 from megaray.layout import build_layout
-from megaray.model import Ropes, block_forward, windowed_square
+from megaray.model import Ropes, block_forward
+from megaray.model_config import windowed_square
 from megaray.moe import expert_linear
 from megaray.step import document_lengths, square_document_lengths
 
@@ -74,7 +75,7 @@ def block_flops(cfg: ModelConfig, seq: int, batch: int, layer: int = 0, doc: np.
     counts them (``cost.block_forward_seconds``' terms): 2 x active parameters x tokens and
     attention's 2 x hidden x (squared lengths): the rows', or with ``doc`` (each token's
     document, [batch, seq]) each document's, less what the block's window drops
-    (``model.windowed_square``); a forward and backward is three times it."""
+    (``model_config.windowed_square``); a forward and backward is three times it."""
     window = cfg.window(layer)
     if doc is None:
         pairs = batch * (seq * seq if window is None else windowed_square(seq, window))

@@ -12,9 +12,10 @@ the worker computes: it waits for the worker's verdict on the step, then for eac
 pieces in order takes the piece's gradient, updates master, moments (and the compute copy)
 in one pass (``megaray.adamw``), and releases the piece (``megaray.protocol``), so the
 worker never reads a half-written layer nor overwrites an unread gradient. Through the ring
-(``optim.grad_placement`` device) the gradient arrives already clipped: the worker scaled it
-on the GPU; from the host gradient buffer (host) the shard applies the verdict's clip
-coefficient in the update itself (the same fp32 multiply). With clipping off and the host
+(``optim.grad_placement`` device) an fp32 gradient arrives already clipped: the worker scaled
+it on the GPU, and the verdict's coefficient is 1; a bf16 one (``optim.grad_dtype``) arrives
+as the worker rounded it, and, as from the host gradient buffer (host), the shard applies the
+verdict's clip coefficient in the update itself (the same fp32 multiply). With clipping off and the host
 buffer, nothing waits for the norm: a piece is updated as soon as it lands, and a unit whose
 own gradient is not finite is skipped. A skipped step (non-finite loss or gradient)
 advances the versions and touches nothing else.
@@ -100,7 +101,7 @@ class OptimizerShard:
                 control.skip(self.pieces, step)
                 out["skipped"] = True
                 return out
-            coef = control.clip_coefficient() if host else 1.0      # the ring's gradients come clipped
+            coef = control.clip_coefficient()   # 1.0 for the ring's fp32 gradients: they come clipped
         source = self.buf.host_grads if host else self.buf.ring
         start = time.perf_counter()
         for i in self.pieces:

@@ -7,8 +7,9 @@ keeps, through the same protocol (``megaray.protocol``):
 
 - ``unit(u, step)`` returns unit u's compute-dtype weights once every piece of it has
   ``version == step`` (never stale, never half-updated);
-- ``ship(step, grads)`` publishes the step's verdict and writes the (already summed and
-  clipped) gradients piece by piece into the ring, each only into a free slab;
+- ``ship(step, grads, coef)`` publishes the step's verdict and writes the (already summed,
+  and clipped unless rounded: ``coef``) gradients piece by piece into the ring, each only
+  into a free slab;
 - ``decide(step, False)`` skips a step; ``abort()`` releases every waiter of the run.
 
 It is a threaded actor: a worker asks for the next units while the previous step's
@@ -45,10 +46,11 @@ class WeightRelay:
             return self.buf.compute(u).clone()
         return self._guard(get, step)
 
-    def ship(self, step: int, grads: list) -> CopyOut:
-        """Step ``step`` is applied: every piece of ``grads`` (one flat fp32 tensor a unit) into its slab."""
+    def ship(self, step: int, grads: list, coef: float = 1.0) -> CopyOut:
+        """Step ``step`` is applied (``coef``: the clip coefficient the shards apply, 1.0 where
+        the gradients come clipped): every piece of ``grads`` (one flat tensor a unit) into its slab."""
         def put():
-            self.buf.control.decide(step, True)
+            self.buf.control.decide(step, True, coef)
             return put_pieces(self.buf, step, grads, self.cfg.worker.wait_timeout_s)
         return self._guard(put, step)
 

@@ -9,9 +9,10 @@ same AdamW as the shards (``megaray.adamw``: the same calls, piece by piece, on 
 resident unit equals a streamed one bit for bit; ``torch._fused_adamw_`` on CUDA, equal to
 fp32 rounding), the same clip coefficient, skipping, weight-decay groups and schedule:
 
-- gradients on the GPU (``optim.grad_placement`` device): the step's gradients were scaled
-  by the clip coefficient on the device before any left, resident ones too; an applied step
-  updates every resident unit with them;
+- gradients on the GPU (``optim.grad_placement`` device): the step's fp32 gradients were
+  scaled by the clip coefficient on the device before any left, resident ones too; bf16 ones
+  (``optim.grad_dtype``, rounded as each backward ended) were not, and the update applies the
+  coefficient, as the shards do; an applied step updates every resident unit with them;
 - gradients in host memory (host): the gradient is rounded to ``optim.grad_dtype`` as the
   streamed ones are on their way out, and the update applies the coefficient; with clipping
   off a unit whose own gradient is not finite is skipped, as a shard skips it.
@@ -81,7 +82,9 @@ class ResidentUnits:
         if not self.units or not (applied or at_once):
             return
         lr = lr_at(step, o, self.cfg.train.steps)
-        scale = coef if host else 1.0           # through the ring the gradients are scaled already
+        # rounded to bf16 (in host memory, or waiting on the device) the shards scale them in the
+        # update, and so does this; fp32 ones through the ring come scaled already
+        scale = coef if host or self.h.grad_dtype != "float32" else 1.0
         todo = [u for u in self.units if not at_once or finite[u]]
         for u in todo:
             g = grads[u]

@@ -6,7 +6,11 @@ returns; a copy-out thread then streams the gradients, in forward order and in s
 pieces, through the pinned gradient ring (``GradientRing.put``) while the next step's forward
 begins (its first layers wait only for their own pieces' updates). Each unit's device memory
 goes back as soon as its last piece has landed. ``skip`` publishes a skipped step instead:
-no piece leaves the device.
+no piece leaves the device. With ``optim.grad_dtype`` bfloat16 the streamed units' gradients
+wait on the device rounded already (half the memory: the worker rounds each as its backward
+ends); they are not scaled there (a second rounding) but cross as they are, and the verdict
+carries the coefficient, which the shards apply in fp32 as they do to gradients from host
+memory: the same numbers as ``optim.grad_placement`` host gives.
 
 With ``optim.grad_placement`` host the gradients do not wait on the device: ``ship_unit``
 sends each unit's gradient to its region of the host gradient buffer as soon as its backward
@@ -64,6 +68,9 @@ class GradientShipper:
     def __init__(self, cfg: RunConfig, h: Handles, dev: Device, buf: RunBuffers | None, relay=None):
         self.cfg, self.h, self.dev, self.buf, self.relay = cfg, h, dev, buf, relay
         self.host = h.grad_placement == "host"
+        self.grad_dtype = DTYPES[h.grad_dtype]
+        # gradients waiting on the device rounded to grad_dtype (unscaled: the shards apply the coefficient)
+        self.rounds = not self.host and self.grad_dtype != torch.float32
         if buf is not None:
             regions = buf.streamed_regions("grads") if self.host else [buf.files["ring"].bytes]
             for region in regions:
@@ -139,19 +146,23 @@ class GradientShipper:
         return out
 
     def ship(self, step: int, grads: list, coef: float, clock: StepClock) -> None:
-        """Step ``step`` is applied: scale by ``coef``, publish the verdict, start the copy-out."""
+        """Step ``step`` is applied: scale the fp32 gradients by ``coef`` (the rounded ones go
+        unscaled, with ``coef`` in the verdict for the shards), publish the verdict, start
+        the copy-out."""
         if coef != 1.0:
             with clock.span(-1):
                 for g in grads:
-                    g.mul_(coef)
+                    if g.dtype == torch.float32:
+                        g.mul_(coef)
+        shards_coef = coef if self.rounds else 1.0
         if self.relay is not None:
-            self._futures.append(self._thread.submit(self._ship_remote, step, [g.cpu() for g in grads]))
+            self._futures.append(self._thread.submit(self._ship_remote, step, [g.cpu() for g in grads], shards_coef))
             return
         ready = self.dev.event_after_compute()
         if ready is not None:
             for g in grads:
                 g.record_stream(self.dev.out_stream)
-        self.buf.control.decide(step, True)
+        self.buf.control.decide(step, True, shards_coef)
         self._futures.append(self._thread.submit(self._ship_local, step, grads, ready))
 
     def skip(self, step: int) -> None:
@@ -189,9 +200,9 @@ class GradientShipper:
             dst.copy_(src, non_blocking=True)
         out.synchronize()
 
-    def _ship_remote(self, step: int, grads: list) -> None:
+    def _ship_remote(self, step: int, grads: list, coef: float) -> None:
         """Copy-out thread of a worker on another node: the step's gradients to the relay."""
         t0 = time.perf_counter()
-        st: CopyOut = get_or_raise(self.relay.ship.remote(step, grads), "relay")
+        st: CopyOut = get_or_raise(self.relay.ship.remote(step, grads, coef), "relay")
         st.copy_out_s = time.perf_counter() - t0
         self._stats.append(st)

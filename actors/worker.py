@@ -8,7 +8,8 @@ shards through the shared control words (``megaray.protocol``) alone.
 
 A step reads: forward (embedding, then each block, saving its input); head (the chunked
 loss and its gradient); backward (each block from its saved input, recomputed unless kept,
-its fp32 gradient accumulated over the micro-batches on the device; with
+its fp32 gradient accumulated over the micro-batches on the device, then waiting there in
+``optim.grad_dtype`` (its squared norm taken from the fp32 sum first); with
 ``worker.input_stride`` S > 1 only every S-th block's input is saved, and the blocks above
 it run forward again to rebuild the others': ``memory.recompute_order``); decide and ship (the
 global norm, the verdict, exact clipping, copy-out). The concerns live beside this file:
@@ -268,6 +269,7 @@ class GpuWorker(ForwardOnly):
                     acts[i][m] = None
             del kept
             self._gradient_done(st, u, g)
+            del g                               # (rounded, the fp32 sum goes now)
         for k, (i, with_grad, _) in enumerate(order):
             u = i + 1
             slots.ready(st.staged, st.times)
@@ -300,6 +302,7 @@ class GpuWorker(ForwardOnly):
                         dys[m] = self._block_backward(self.units[u], w, y, x, dys[m], g, aux)
             slots.release(u)
             self._gradient_done(st, u, g)
+            del g
         with st.clock.span(0):
             emb_flat, we = slots.weights(0, grad=True)
             for m in range(st.micro_batches):
@@ -308,17 +311,23 @@ class GpuWorker(ForwardOnly):
                     (gw,) = torch.autograd.grad(y, [emb_flat], grad_outputs=dys[m])
                 st.g_embed += gw
         slots.release(0)
-        self._gradient_done(st, 0, st.g_embed)
+        g, st.g_embed = st.g_embed, None
+        self._gradient_done(st, 0, g)
         st.times.backward_s += time.perf_counter() - t0
 
     def _gradient_done(self, st: StepState, u: int, g: torch.Tensor) -> None:
         """Unit u's gradient of the step is final: it is summed over the data-parallel workers,
-        then waits on the device for the norm (``optim.grad_placement`` device), or, its
-        squared norm taken, leaves for host memory at once (host)."""
+        then waits on the device for the norm (``optim.grad_placement`` device: in bf16 with
+        ``optim.grad_dtype`` bfloat16, its squared norm taken from the fp32 sum first), or,
+        its squared norm taken, leaves for host memory at once (host)."""
         if self.group.world > 1:
             with st.clock.span(-1):
                 self.group.sum([g])
         if not self.shipper.host:
+            if self.shipper.rounds:
+                with st.clock.span(-1):     # the norm from the fp32 sum, then it waits rounded
+                    st.sq[u] = square_norm(g)
+                    g = g.to(self.shipper.grad_dtype)
             st.grads[u] = g
             return
         with st.clock.span(-1):
@@ -354,9 +363,9 @@ class GpuWorker(ForwardOnly):
             with clock.span(-1):
                 self.group.sum([], st.loss_sum)
         sq = st.sq
-        if not host:
+        if not host:                        # a gradient waiting rounded had its norm taken before
             with clock.span(-1):
-                sq = [square_norm(g) for g in st.grads]
+                sq = [square_norm(g) if s is None else s for g, s in zip(st.grads, st.sq)]
         sq = torch.stack(sq).cpu()                          # waits for the backward to finish
         loss_total = float(st.loss_sum)
         norm = math.sqrt(float(sq.sum()))

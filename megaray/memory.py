@@ -6,10 +6,12 @@ What one GPU holds during a step (each GPU's share, with ``worker.count`` data-p
 workers): the four weight slots (embedding, head, two blocks); the saved block inputs of
 every micro-batch (less those offloaded to pinned host memory, ``worker.offload_inputs``);
 the kept blocks' internals and their private weight copy (``worker.keep_activations``: the
-last K blocks are not recomputed in the backward); the step's fp32 gradients, held until the
-global norm is known; the gradient of the step's activations; the recomputation workspace
-of one micro-batch (one MLP chunk's, or the attention backward's, for long sequences); the
-loss chunk's logits; the fp32 staging slab of the on-device cast; and the CUDA context.
+last K blocks are not recomputed in the backward); the step's gradients, held until the
+global norm is known (fp32; or, with ``optim.grad_dtype`` bfloat16, rounded as each block's
+backward ends, beside the one block's fp32 sum being made); the gradient of the step's
+activations; the recomputation workspace of one micro-batch (one MLP chunk's, or the
+attention backward's, for long sequences); the loss chunk's logits; the fp32 staging slab
+of the on-device cast; and the CUDA context.
 
 The peak is found by walking the backward: block j's input and (if kept) internals are
 freed as its fp32 gradient appears, so the peak is the largest of (inputs still saved + kept
@@ -217,9 +219,12 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
     keep = max(0, min(L, keep))
     n_off = max(0, min(L - keep, offload))
     kept_one = sh.kept_block_bytes(lean)
+    summing = 0                                                 # a block's fp32 sum beside the rounded ones
     if grads_on_device(cfg):
-        grads_ends = 4 * (sh.embed_numel + sh.head_numel)    # head's and embedding's, from the backward's start
-        grads_per_block = 4 * sh.block_numel                   # each block's, until the norm is known
+        g = DTYPES[cfg.optim.grad_dtype].itemsize              # each waits in grad_dtype, summed in fp32
+        grads_ends = 4 * sh.embed_numel + g * sh.head_numel     # embedding's (summed to the end) and head's
+        grads_per_block = g * sh.block_numel                   # each block's, until the norm is known
+        summing = (4 - g) * sh.block_numel
     else:
         tied = sh.embed_numel if m.tie_word_embeddings else 0
         grads_ends = 4 * (tied + 2 * max(sh.block_numel, sh.head_numel, 0 if tied else sh.embed_numel))
@@ -244,7 +249,8 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
             back = 1 + (a > 0) if a < n_off else ahead          # a's own, back from host, and the next
             on_gpu_inputs = max(0, anchors(a + 1, S) - off) + (i - a) + back
         alive_kept = max(0, j - keep_from)
-        total = on_gpu_inputs * sh.one_input + alive_kept * kept_one + grads_ends + grads_per_block * (L - j)
+        grads = grads_ends + grads_per_block * (L - j) + (summing if j else 0)
+        total = on_gpu_inputs * sh.one_input + alive_kept * kept_one + grads
         if total > best[0]:
             best = (total, on_gpu_inputs, alive_kept, j)
     _, n_inputs, n_kept, j = best
@@ -258,7 +264,8 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
             s * ((0 if embed_res else sh.embed_numel) + sh.head_numel + 2 * sh.block_numel),
         "saved block inputs (at the peak)": n_inputs * sh.one_input,
         "gradient of the step's activations": sh.one_input,
-        "fp32 gradients (at the peak)": grads_ends + grads_per_block * (L - j),
+        ("gradients, bf16 (one block's summed in fp32; at the peak)" if summing else "fp32 gradients (at the peak)"):
+            grads_ends + grads_per_block * (L - j) + (summing if j else 0),
         # a recomputed block's internals with its MLP backward's rebuilt silu(gate), the
         # product's gradient and the gate's and up's gradients; or, later, its attention's
         # backward, whichever is larger (the attention's, for long chunked micro-batches)

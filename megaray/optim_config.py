@@ -73,15 +73,17 @@ class OptimConfig:
 
     grad_placement: str = "auto"
     """Where a step's gradients wait for the global norm (exact clipping needs it): 'device'
-    (fp32 on the GPU, 4 bytes a parameter of GPU memory; they leave through the gradient
-    ring, clipped, while the next step starts), 'host' (each unit's gradient leaves the GPU
+    (on the GPU in grad_dtype, 4 or 2 bytes a parameter of GPU memory; they leave through the
+    gradient ring while the next step starts), 'host' (each unit's gradient leaves the GPU
     as soon as its backward is done, into a host buffer of grad_dtype, and the shards apply
     the clip coefficient: the GPU needs no memory that grows with the model), or 'auto':
     device when the step fits the GPU that way, else host."""
     grad_dtype: str = "float32"
-    """Dtype of the gradients that cross the link and wait in host memory: float32, or
-    bfloat16 (half the copy-out and the host bytes; the norm is taken from the fp32 values on
-    the GPU before they are rounded)."""
+    """Dtype of the gradients that wait for the norm (on the GPU or in host memory) and cross
+    the link: float32, or bfloat16 (half the copy-out, and half the waiting bytes: on the GPU
+    room for larger micro-batches or kept blocks). Each unit's gradient is summed over the
+    micro-batches in fp32 and its squared norm taken from those values before it is rounded;
+    the shards apply the clip coefficient to the rounded gradient in fp32."""
     resident_units: str | int = "auto"
     """Where the units' training state lives (named ``optim.placement`` until megaray 0.2, a
     name still read in 0.3 with a warning): 'host' (every unit streams: master and moments

@@ -59,11 +59,31 @@ def test_gradients_in_host_memory_equal_gradients_on_the_device(ray_cluster, opt
         np.testing.assert_array_equal(host_w[k], dev_w[k], err_msg=k)
 
 
-def test_bf16_gradients_are_adamw_on_the_rounded_gradients(ray_cluster):
-    """One step with bf16 gradients in host memory: every weight is AdamW's update (written out
-    here, in float64) of the fp32 gradient rounded to bf16 and scaled by the clip coefficient
-    the fp32 norm gave."""
-    ms, after, before, grads = _train("optim.grad_placement=host", "optim.grad_dtype=bfloat16",
+@pytest.mark.parametrize("opts", [["optim.clip_grad_norm=0.05"],
+                                  ["optim.clip_grad_norm=0.05", "debug.nonfinite_steps=[1]"]],
+                         ids=["clipped", "a-skipped-step"])
+def test_bf16_gradients_waiting_on_the_device_equal_bf16_gradients_in_host_memory(ray_cluster, opts):
+    """Rounded on the device as each unit's backward ends (half the GPU memory), they reach the
+    shards unscaled, and the shards apply the coefficient as from host memory: the same
+    training bit for bit, and not the fp32 gradients' (so the rounding did happen)."""
+    dev, dev_w, _, _ = _train("optim.grad_placement=device", "optim.grad_dtype=bfloat16", *opts)
+    host, host_w, _, _ = _train("optim.grad_placement=host", "optim.grad_dtype=bfloat16", *opts)
+    _, fp32_w, _, _ = _train("optim.grad_placement=device", *opts)
+    np.testing.assert_array_equal([m["loss"] for m in host], [m["loss"] for m in dev])
+    assert [m["skipped"] for m in host] == [m["skipped"] for m in dev]
+    np.testing.assert_array_equal([m["grad_norm"] for m in host], [m["grad_norm"] for m in dev])
+    assert all(m["clip_coefficient"] < 0.9 for m in dev if not m["skipped"])
+    for k in dev_w:
+        np.testing.assert_array_equal(host_w[k], dev_w[k], err_msg=k)
+    assert any(not np.array_equal(fp32_w[k], dev_w[k]) for k in dev_w if dev_w[k].ndim == 2)
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_bf16_gradients_are_adamw_on_the_rounded_gradients(ray_cluster, placement):
+    """One step with bf16 gradients in host memory, or waiting on the device: every weight is
+    AdamW's update (written out here, in float64) of the fp32 gradient rounded to bf16 and
+    scaled by the clip coefficient the fp32 norm gave."""
+    ms, after, before, grads = _train(f"optim.grad_placement={placement}", "optim.grad_dtype=bfloat16",
                                       "optim.clip_grad_norm=0.05", steps=1, keep_gradients=True)
     cfg = load_config("debug", BASE)
     lr, (b1, b2), eps, wd = lr_at(0, cfg.optim, 4), cfg.optim.betas, cfg.optim.eps, 0.1

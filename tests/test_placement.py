@@ -54,12 +54,13 @@ CASES = {
     "host-clipped": ["optim.grad_placement=host", "optim.clip_grad_norm=0.05"],
     "host-clipping-off": ["optim.grad_placement=host", "optim.clip_grad_norm=null"],
     "host-bf16-gradients": ["optim.grad_placement=host", "optim.grad_dtype=bfloat16", "optim.clip_grad_norm=0.05"],
+    "ring-bf16-gradients": ["optim.grad_placement=device", "optim.grad_dtype=bfloat16", "optim.clip_grad_norm=0.05"],
 }
 
 
 # the embedding alone; the embedding and block 0; the embedding and both blocks
 PLACEMENT = {"ring-clipped": 1, "ring-skipped-step": 3, "host-clipped": 2, "host-clipping-off": 3,
-             "host-bf16-gradients": 2}
+             "host-bf16-gradients": 2, "ring-bf16-gradients": 2}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -219,12 +219,12 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
     keep = max(0, min(L, keep))
     n_off = max(0, min(L - keep, offload))
     kept_one = sh.kept_block_bytes(lean)
-    summing = 0                                                 # a block's fp32 sum beside the rounded ones
+    summing = 0     # rounded gradients: the fp32 sum of the block whose backward is under way
     if grads_on_device(cfg):
         g = DTYPES[cfg.optim.grad_dtype].itemsize              # each waits in grad_dtype, summed in fp32
         grads_ends = 4 * sh.embed_numel + g * sh.head_numel     # embedding's (summed to the end) and head's
         grads_per_block = g * sh.block_numel                   # each block's, until the norm is known
-        summing = (4 - g) * sh.block_numel
+        summing = 4 * sh.block_numel if g < 4 else 0
     else:
         tied = sh.embed_numel if m.tie_word_embeddings else 0
         grads_ends = 4 * (tied + 2 * max(sh.block_numel, sh.head_numel, 0 if tied else sh.embed_numel))

@@ -202,9 +202,10 @@ def savings(cfg: RunConfig) -> list[tuple[str, int, float]]:
 
 def remedies(cfg: RunConfig, machine: Machine) -> list[str]:
     """Single overrides, each of which alone makes a run that does not fit ``machine`` fit
-    (tried in this order): gradients to host memory and in bf16, bf16 moments or master,
-    resident units (their state leaves host memory), the largest loss chunk that fits (a
-    multiple of 256), the largest micro-batch that fits with the same tokens per step."""
+    (tried in this order): gradients to host memory, in bf16 on the GPU, in bf16 in host
+    memory, bf16 moments or master, resident units (their state leaves host memory), the
+    largest loss chunk that fits (a multiple of 256), the largest micro-batch that fits with
+    the same tokens per step."""
     def fits(c: RunConfig) -> bool:
         return not shortfalls(plan_for(c, machine), machine)
 
@@ -216,6 +217,8 @@ def remedies(cfg: RunConfig, machine: Machine) -> list[str]:
     if resolve(cfg, machine).optim.grad_placement == "device" and machine.gpu_bytes is not None:
         if fits(with_("optim", grad_placement="host")):
             out.append("optim.grad_placement=host")
+        if o.grad_dtype == "float32" and fits(with_("optim", grad_placement="device", grad_dtype="bfloat16")):
+            out.append("optim.grad_dtype=bfloat16")
     if o.grad_dtype == "float32" and fits(with_("optim", grad_placement="host", grad_dtype="bfloat16")):
         out.append("optim.grad_placement=host optim.grad_dtype=bfloat16")
     if o.moment_dtype == "float32" and fits(with_("optim", moment_dtype="bfloat16")):

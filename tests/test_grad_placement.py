@@ -123,6 +123,14 @@ def test_auto_keeps_gradients_on_the_gpu_while_they_fit():
     unclipped = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, clip_grad_norm=None))
     assert scratch not in plan_for(unclipped, small).host_private
     assert scratch not in plan_for(cfg, big).host_private
+    # bf16 gradients wait on the GPU in half the bytes: on a 40 GiB GPU the fp32 ones go to host
+    # memory, the bf16 ones stay, and a run that asks for fp32 ones there is told so
+    mid = Machine(10**15, 10**15, 40 * GiB)
+    half = replaced(cfg, "optim", grad_dtype="bfloat16")
+    assert resolve(cfg, mid).optim.grad_placement == "host"
+    assert resolve(half, mid).optim.grad_placement == "device"
+    with pytest.raises(PlanError, match=r"any one of: optim\.grad_placement=host; optim\.grad_dtype=bfloat16;"):
+        check(replaced(cfg, "optim", grad_placement="device"), mid)
 
 
 def test_the_gpu_budget_caps_the_plan_and_refuses_before_allocating():

@@ -8,6 +8,7 @@ import pytest
 from conftest import shm_files
 
 from megaray import memory
+from megaray.config import replaced
 from megaray.errors import ConfigError, PlanError
 from megaray.loader import load_config
 from megaray.machine import Machine, ray_memory_view
@@ -91,6 +92,14 @@ def test_llama3b_gpu_items_by_hand():
     assert q.gpu["saved block inputs (at the peak)"] == 0
     assert q.gpu["fp32 gradients (at the peak)"] == ends + 4 * g
     assert q.host_private["offloaded block inputs (2, pinned)"] == 2 * i
+    # bf16 gradients waiting on the GPU: 2 bytes a finished block's, beside the fp32 sum of the
+    # block under way; the (tied) embedding's summed in fp32 to the end. At j = 1 (block 0 under
+    # way) 3 rounded blocks and block 0's sum (10 bytes a block's parameter) outweigh the 4
+    # rounded blocks of j = 0 (8) and, by far more than an input, j = 2's (8, with 2 inputs).
+    r = plan(replaced(small, "optim", grad_dtype="bfloat16"), offload=2)
+    assert r.gpu["gradients, bf16 (one block's summed in fp32; at the peak)"] == (
+        4 * 128256 * 3072 + 2 * 3072 + 3 * 2 * block + 4 * block)
+    assert r.gpu["saved block inputs (at the peak)"] == i
     # at 128k tokens a block's inputs (1.5 GiB) outweigh its gradients: the head is the peak
     long = dataclasses.replace(small, train=dataclasses.replace(small.train, seq_len=131072))
     big = 2 * 2 * 131072 * 3072

@@ -19,6 +19,8 @@ COMMANDS = {   # name: (entrypoint module, arguments, what it does)
     "prepare": ("megaray.pipelines.prepare", "INPUT... --out DIR --seq-len N",
                 "tokenize jsonl/parquet/text into packed shards (Ray tasks)"),
     "export": ("megaray.pipelines.export", "RUN_OR_CHECKPOINT OUT_DIR", "write a Hugging Face model directory"),
+    "compare": ("megaray.pipelines.compare", "RUN REFERENCE_RUN [--within PCT ...]",
+                "two runs' loss curves: their largest difference, a PNG"),
     "clean": ("megaray.pipelines.clean", "[--shm-dir DIR]", "delete the shared-memory files of runs whose driver died"),
     "bench": ("megaray.pipelines.bench", "[--shape S --seq N --tokens N ...]",
               "megaray vs a GPU-resident PyTorch baseline (needs a GPU)"),

@@ -65,6 +65,11 @@ class CheckpointError(MegarayError):
     """A checkpoint is missing, incomplete or corrupt; the message names the part."""
 
 
+class RunDirError(MegarayError, ValueError):
+    """A run directory given to a command (``megaray compare``) lacks a file it should hold,
+    or holds a malformed one; the message names the file (and line)."""
+
+
 class ExportError(MegarayError):
     """``megaray export`` cannot write its output folder: it exists and holds files (nothing
     there is touched), or writing failed (nothing is left); the message names the folder."""

@@ -18,7 +18,7 @@ CORE = {"megaray.errors", "megaray.shapes", "megaray.model_config", "megaray.opt
         "megaray.buffers", "megaray.memory", "megaray.cost", "megaray.machine", "megaray.plan",
         "megaray.lr_schedule", "megaray.clipping", "megaray.adamw", "megaray.parts", "megaray.checkpoint",
         "megaray.corpus", "megaray.packing",
-        "megaray.dataset", "megaray.tokenizer", "megaray.step"}
+        "megaray.dataset", "megaray.tokenizer", "megaray.step", "megaray.compare"}
 ABOVE_CORE = ("ray", "megaray.actors", "megaray.driver", "megaray.bench", "megaray.pipelines", "megaray.cli")
 
 

@@ -76,24 +76,23 @@ class ResidentUnits:
     def update(self, step: int, grads: list, applied: bool, coef: float, finite: dict[int, bool]) -> None:
         """Apply step ``step`` to the resident units (their gradients in ``grads``, by unit,
         dropped once used): all of them when the step is applied, or, with the gradients in
-        host memory and clipping off, each whose own gradient is finite (``finite``)."""
+        host memory and clipping off, each whose own gradient is finite (``finite``). ``coef``:
+        the clip coefficient to apply, as the shards do (``GradientShipper.readers_coef``: 1.0
+        where the gradients come scaled)."""
         o, host = self.cfg.optim, self.h.grad_placement == "host"
         at_once = applies_at_once(o, self.h.grad_placement)
         if not self.units or not (applied or at_once):
             return
         lr = lr_at(step, o, self.cfg.train.steps)
-        # rounded to bf16 (in host memory, or waiting on the device) the shards scale them in the
-        # update, and so does this; fp32 ones through the ring come scaled already
-        scale = coef if host or self.h.grad_dtype != "float32" else 1.0
         todo = [u for u in self.units if not at_once or finite[u]]
         for u in todo:
             g = grads[u]
             if host:
                 g = g.to(DTYPES[self.h.grad_dtype])  # as the streamed units' gradients leave the device
             if self.dev.cuda:
-                self._update_cuda(u, g, lr, scale)
+                self._update_cuda(u, g, lr, coef)
             else:
-                self._update_pieces(u, g, lr, scale)
+                self._update_pieces(u, g, lr, coef)
             self.compute[u].copy_(self.master[u])
             grads[u] = None
 

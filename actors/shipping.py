@@ -145,24 +145,28 @@ class GradientShipper:
             out += self._stats.pop(0)
         return out
 
+    def readers_coef(self, coef: float) -> float:
+        """The clip coefficient the gradients' readers (the shards, the resident units) apply
+        in their update: ``coef`` where the gradients wait unscaled (in host memory, or rounded
+        on the device), 1.0 where ``ship`` scaled them on the device (fp32 through the ring)."""
+        return coef if self.host or self.rounds else 1.0
+
     def ship(self, step: int, grads: list, coef: float, clock: StepClock) -> None:
-        """Step ``step`` is applied: scale the fp32 gradients by ``coef`` (the rounded ones go
-        unscaled, with ``coef`` in the verdict for the shards), publish the verdict, start
-        the copy-out."""
-        if coef != 1.0:
+        """Step ``step`` is applied: scale the fp32 gradients by ``coef`` (rounded ones go
+        unscaled: ``readers_coef``), publish the verdict, start the copy-out."""
+        if coef != 1.0 and not self.rounds:
             with clock.span(-1):
                 for g in grads:
-                    if g.dtype == torch.float32:
-                        g.mul_(coef)
-        shards_coef = coef if self.rounds else 1.0
+                    g.mul_(coef)
+        coef = self.readers_coef(coef)
         if self.relay is not None:
-            self._futures.append(self._thread.submit(self._ship_remote, step, [g.cpu() for g in grads], shards_coef))
+            self._futures.append(self._thread.submit(self._ship_remote, step, [g.cpu() for g in grads], coef))
             return
         ready = self.dev.event_after_compute()
         if ready is not None:
             for g in grads:
                 g.record_stream(self.dev.out_stream)
-        self.buf.control.decide(step, True, shards_coef)
+        self.buf.control.decide(step, True, coef)
         self._futures.append(self._thread.submit(self._ship_local, step, grads, ready))
 
     def skip(self, step: int) -> None:

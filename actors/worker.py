@@ -382,7 +382,7 @@ class GpuWorker(ForwardOnly):
             t1 = time.perf_counter()
             finite_units = {u: math.isfinite(float(sq[u])) for u in self.resident.units} if host else {}
             with clock.span(-1):
-                self.resident.update(st.step, st.grads, finite, coef, finite_units)
+                self.resident.update(st.step, st.grads, finite, self.shipper.readers_coef(coef), finite_units)
             st.times.resident_update_s += time.perf_counter() - t1
         st.times.reduce_s += time.perf_counter() - t0
         res = StepResult(loss_sum=loss_total, tokens=st.tokens, grad_norm=norm, clip_coef=coef, applied=finite,

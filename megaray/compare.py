@@ -41,10 +41,35 @@ class Comparison:
     a: Curve
     b: Curve                # the reference
     steps: np.ndarray       # the steps both logged with a finite loss
-    rel: np.ndarray         # (a - b) / |b| at each of them
-    judged_from: int        # the first step judged: the reference's warm-up done
-    worst_step: int | None  # where |rel| is largest among the judged steps (None: none judged)
-    worst: float            # that |rel| (0 when none is judged)
+    loss_a: np.ndarray      # their losses, each run's
+    loss_b: np.ndarray
+
+    @property
+    def rel(self) -> np.ndarray:
+        """(a - b) / |b| at each common step."""
+        return (self.loss_a - self.loss_b) / np.abs(self.loss_b)
+
+    @property
+    def judged_from(self) -> int:
+        """The first step judged: the reference's warm-up done (steps count from 1)."""
+        return self.b.warmup_steps + 1
+
+    def _worst(self) -> tuple[int | None, float]:
+        judged = self.steps >= self.judged_from
+        if not judged.any():
+            return None, 0.0
+        i = int(np.argmax(np.where(judged, np.abs(self.rel), -1.0)))
+        return int(self.steps[i]), float(abs(self.rel[i]))
+
+    @property
+    def worst_step(self) -> int | None:
+        """Where |rel| is largest among the judged steps (None: none is judged)."""
+        return self._worst()[0]
+
+    @property
+    def worst(self) -> float:
+        """That largest |rel| (0 when none is judged)."""
+        return self._worst()[1]
 
     @property
     def final_step(self) -> int:
@@ -53,11 +78,7 @@ class Comparison:
     @property
     def final(self) -> tuple[float, float, float]:
         """The last common step's losses (a, b) and their relative difference."""
-        i = len(self.steps) - 1
-        return float(self._loss(self.a, i)), float(self._loss(self.b, i)), float(self.rel[i])
-
-    def _loss(self, c: Curve, i: int) -> float:
-        return c.loss[np.searchsorted(c.steps, self.steps[i])]
+        return float(self.loss_a[-1]), float(self.loss_b[-1]), float(self.rel[-1])
 
     def summary(self) -> str:
         a, b, r = self.final
@@ -116,15 +137,7 @@ def compare(a: Curve, b: Curve) -> Comparison:
     steps = np.intersect1d(a.steps[np.isfinite(a.loss)], b.steps[np.isfinite(b.loss)])
     if not len(steps):
         raise RunDirError(f"runs {a.name} and {b.name} logged no step in common with a finite loss")
-    la, lb = (c.loss[np.searchsorted(c.steps, steps)] for c in (a, b))
-    rel = (la - lb) / np.abs(lb)
-    judged_from = b.warmup_steps + 1                  # steps count from 1: step w + 1 is the first after it
-    judged = steps >= judged_from
-    worst_step, worst = None, 0.0
-    if judged.any():
-        i = int(np.argmax(np.where(judged, np.abs(rel), -1.0)))
-        worst_step, worst = int(steps[i]), float(abs(rel[i]))
-    return Comparison(a, b, steps, rel, judged_from, worst_step, worst)
+    return Comparison(a, b, steps, *(c.loss[np.searchsorted(c.steps, steps)] for c in (a, b)))
 
 
 # ---------------------------------------------------------------------------------- the picture

@@ -205,7 +205,12 @@ def remedies(cfg: RunConfig, machine: Machine) -> list[str]:
     (tried in this order): gradients to host memory, in bf16 on the GPU, in bf16 in host
     memory, bf16 moments or master, resident units (their state leaves host memory), the
     largest loss chunk that fits (a multiple of 256), the largest micro-batch that fits with
-    the same tokens per step."""
+    the same tokens per step.
+
+    ``cfg`` is the config as asked, its 'auto' choices unresolved: each candidate is resolved
+    anew, so an override that lets the placement change (bf16 gradients free the GPU memory
+    that resident units then take out of host memory) is found. On a resolved config the
+    placement chosen for the failing run would stay fixed."""
     def fits(c: RunConfig) -> bool:
         return not shortfalls(plan_for(c, machine), machine)
 
@@ -483,13 +488,14 @@ def plan_as_run(cfg: RunConfig, machine: Machine) -> Plan:
     return shown
 
 
-def check(cfg: RunConfig, machine: Machine | None = None) -> Plan:
-    """Raise PlanError with the report when the machine cannot hold the run."""
+def check(cfg: RunConfig, machine: Machine | None = None, asked: RunConfig | None = None) -> Plan:
+    """Raise PlanError with the report when the machine cannot hold the run; the remedies it
+    names are tried on ``asked``, the config before ``resolve`` (``cfg`` by default)."""
     machine = machine or Machine.here(cfg.cluster.shm_dir)
     p = plan_for(cfg, machine)
     short = shortfalls(p, machine)
     if short:
-        fixes = remedies(cfg, machine)
+        fixes = remedies(asked or cfg, machine)
         hint = ("\nit would fit with any one of: " + "; ".join(fixes)) if fixes else ""
         raise PlanError("the run does not fit this machine:\n  " + "\n  ".join(short) + hint + "\n"
                         + p.report(machine))

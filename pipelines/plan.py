@@ -44,13 +44,13 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     except ConfigError as e:
         print(f"megaray: config error: {e}", file=sys.stderr)
         return 2
-    asked = cfg.optim.resident_units
+    asked, resident_asked = cfg, cfg.optim.resident_units
     cfg = resolve(cfg, machine, speeds)
     pl = plan_as_run(cfg, machine)          # with the blocks the worker would keep
     short = shortfalls(plan_for(cfg, machine), machine)
     print(f"plan for {where}; gradients wait for the norm on the "
           f"{'GPU' if cfg.optim.grad_placement != 'host' else 'host'} (optim.grad_placement); "
-          f"{describe_placement(cfg.optim.resident_count)} (optim.resident_units {asked}; "
+          f"{describe_placement(cfg.optim.resident_count)} (optim.resident_units {resident_asked}; "
           f"{cfg.model.num_hidden_layers} blocks)")
     print(pl.report(machine))
     resident = cfg.optim.resident_count
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     for line in short:
         print(f"DOES NOT FIT: {line}")
     if short:
-        for fix in remedies(cfg, machine):
+        for fix in remedies(asked, machine):
             print(f"fits with: {fix}")
     cluster = _cluster_shortfall(cfg)
     if cluster:

@@ -24,7 +24,7 @@ from megaray.loader import load_config
 from megaray.lr_schedule import lr_at
 from megaray.machine import Machine
 from megaray.memory import GiB
-from megaray.plan import check, plan_for, resolve
+from megaray.plan import check, plan_for, resolve, shortfalls
 
 BASE = ["train.grad_accum=2", "train.steps=4", "optim.num_shards=2", "optim.grad_slab_mib=0.01",
         "optim.weight_decay=0.1"]
@@ -131,6 +131,26 @@ def test_auto_keeps_gradients_on_the_gpu_while_they_fit():
     assert resolve(half, mid).optim.grad_placement == "device"
     with pytest.raises(PlanError, match=r"any one of: optim\.grad_placement=host; optim\.grad_dtype=bfloat16;"):
         check(replaced(cfg, "optim", grad_placement="device"), mid)
+
+
+def test_a_refusal_names_bf16_gradients_where_they_free_the_gpu_for_resident_units():
+    """gemma3_12b with fp32 master, moments and gradients on an H100 with 121 GiB of host
+    memory available (issue 46's row, refused so on one in run 72): fp32 gradients fill the
+    GPU, so every unit streams and its state exceeds host memory. bf16 gradients free the GPU
+    for resident units, whose state leaves host memory: the refusal names them, though the
+    failing run's own placement (none resident) would not fit with them."""
+    asked = load_config("gemma3_12b", ["train.micro_batch_size=1", "train.grad_accum=16",
+                                       "train.loss_chunk_tokens=2048", "optim.num_shards=7"])
+    h100 = Machine(int(121.04 * GiB), 10**15, int(78.6 * GiB))
+    run = resolve(asked, h100)                     # what the session checks
+    assert run.optim.resident_units == "host" and run.optim.grad_dtype == "float32"
+    half = replaced(replaced(run, "optim", grad_dtype="bfloat16"), "worker", offload_inputs=None)
+    assert shortfalls(plan_for(half, h100), h100)                 # on the failing run's placement: short
+    with pytest.raises(PlanError, match=r"any one of: optim\.grad_dtype=bfloat16; optim\.moment_dtype=bfloat16"):
+        check(run, h100, asked=asked)
+    fixed = resolve(replaced(asked, "optim", grad_dtype="bfloat16"), h100)
+    assert fixed.optim.resident_units >= 5            # the embedding and 4+ blocks
+    assert check(fixed, h100).host_total < plan_for(run, h100).host_total - 15 * GiB
 
 
 def test_the_gpu_budget_caps_the_plan_and_refuses_before_allocating():

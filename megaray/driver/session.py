@@ -149,7 +149,7 @@ class TrainingSession:
         if gpu_free is not None and "auto" in (o.resident_units, o.grad_placement):    # the cost model decides
             self.speeds = dataclasses.replace(self.speeds, update_scale=update_scale(cfg))
         self.cfg = resolve(cfg, machine, self.speeds)
-        self.plan = check(self.cfg, machine)
+        self.plan = check(self.cfg, machine, asked=cfg)
 
     def _start(self) -> None:
         """Decide, then spawn: the store, the scheduler, the workers, the shards, the feeder."""

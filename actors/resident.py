@@ -1,13 +1,15 @@
 """Resident units (``optim.resident_units`` N): the training state of the first N units in forward
 order (the embedding, then the first blocks) on the worker's device.
 
-A resident unit keeps its fp32 master, its Adam moments and (within a step) its fp32
-gradient on the device, and a compute-dtype copy of the master that the forward and the
-backward read in place of a weight slot. Nothing of it crosses the link during training and
-no shard holds it: the worker updates it itself once the step's verdict is known, with the
-same AdamW as the shards (``megaray.adamw``: the same calls, piece by piece, on the CPU, so a
-resident unit equals a streamed one bit for bit; ``torch._fused_adamw_`` on CUDA, equal to
-fp32 rounding), the same clip coefficient, skipping, weight-decay groups and schedule:
+A resident unit keeps its fp32 master, its Adam moments (``optim.moment_dtype``: fp32, or
+bf16 as the shards keep them) and (within a step) its gradient on the device, and a
+compute-dtype copy of the master that the forward and the backward read in place of a weight
+slot. Nothing of it crosses the link during training and no shard holds it: the worker updates
+it itself once the step's verdict is known, with the same AdamW as the shards
+(``megaray.adamw``: the same calls, piece by piece, on the CPU, so a resident unit equals a
+streamed one bit for bit; on CUDA ``torch._fused_adamw_`` for fp32 moments and the C kernel's
+arithmetic compiled, ``adamw.device_step``, for bf16 ones, equal to fp32 rounding), the same
+clip coefficient, skipping, weight-decay groups and schedule:
 
 - gradients on the GPU (``optim.grad_placement`` device): the step's fp32 gradients were
   scaled by the clip coefficient on the device before any left, resident ones too; bf16 ones
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from megaray.adamw import AdamW, piece_decay, update_piece
+from megaray.adamw import AdamW, device_step, hyper, piece_decay, update_piece
 from megaray.buffers import DTYPES, Handles
 from megaray.checkpoint import Checkpoint
 from megaray.clipping import applies_at_once
@@ -54,8 +56,9 @@ class ResidentUnits:
         self.dtype = DTYPES[cfg.train.compute_dtype]
         self.master = {u: dev.empty(h.units[u].numel, torch.float32) for u in self.units}
         self.compute = {u: dev.empty(h.units[u].numel, self.dtype) for u in self.units}
-        self.m = {u: dev.zeros(h.units[u].numel) for u in self.units}
-        self.v = {u: dev.zeros(h.units[u].numel) for u in self.units}
+        moments = DTYPES[o.moment_dtype]       # fp32, or bf16 rounded to nearest as the shards keep them
+        self.m = {u: dev.zeros(h.units[u].numel, moments) for u in self.units}
+        self.v = {u: dev.zeros(h.units[u].numel, moments) for u in self.units}
         # the pieces a shard would update, so that the arithmetic is the shards' to the bit
         self.pieces = {u: cut_pieces([h.units[u]], o.slab_numel) for u in self.units}
         self.steps = {(u, p.start): 0 for u in self.units for p in self.pieces[u]}
@@ -89,8 +92,10 @@ class ResidentUnits:
             g = grads[u]
             if host:
                 g = g.to(DTYPES[self.h.grad_dtype])  # as the streamed units' gradients leave the device
-            if self.dev.cuda:
+            if self.dev.cuda and self.m[u].dtype == torch.float32:
                 self._update_cuda(u, g, lr, coef)
+            elif self.dev.cuda:
+                self._update_device(u, g, lr, coef)
             else:
                 self._update_pieces(u, g, lr, coef)
             self.compute[u].copy_(self.master[u])
@@ -102,6 +107,16 @@ class ResidentUnits:
             sl = slice(p.start, p.stop)
             update_piece(self.adam, self.cfg.optim, self.cfg.run.seed, p, self.master[u][sl], g[sl],
                          self.m[u][sl], self.v[u][sl], lr, self.steps[(u, p.start)], scale)
+
+    def _update_device(self, u: int, g: torch.Tensor, lr: float, scale: float) -> None:
+        """bf16 moments on CUDA: the shards' arithmetic piece by piece in one compiled pass each
+        (``adamw.device_step``; torch's fused AdamW takes no bf16 moments beside an fp32 master)."""
+        o = self.cfg.optim
+        for p in self.pieces[u]:
+            self.steps[(u, p.start)] += 1
+            sl = slice(p.start, p.stop)
+            device_step(self.master[u][sl], g[sl], self.m[u][sl], self.v[u][sl],
+                        hyper(lr, tuple(o.betas), o.eps, piece_decay(o, p), self.steps[(u, p.start)], scale))
 
     def _update_cuda(self, u: int, g: torch.Tensor, lr: float, scale: float) -> None:
         """The unit's pieces in one multi-tensor fused AdamW call per weight-decay group."""
@@ -164,7 +179,8 @@ class ResidentUnits:
         ck = Checkpoint(folder)
         for u in self.units:              # piece by piece, as written
             for p in self.pieces[u]:
-                master, m, v = (torch.empty(p.numel, dtype=torch.float32) for _ in range(3))
+                master = torch.empty(p.numel, dtype=torch.float32)
+                m, v = (torch.empty(p.numel, dtype=self.m[u].dtype) for _ in range(2))
                 ck.read_range("master", u, p.start, p.stop, [master])
                 key = (u, p.start)
                 self.steps[key] = ck.read_range("moments", u, p.start, p.stop, [m, v])

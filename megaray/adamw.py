@@ -47,6 +47,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from megaray.fused import fused
+
 log = logging.getLogger("megaray")
 
 SOURCE = Path(__file__).with_name("kernels") / "adamw.c"
@@ -332,11 +334,12 @@ def stochastic_round(p: torch.Tensor, out: torch.Tensor, sr_key: int, first: int
     out.view(torch.int16).copy_((r - ((r >> 15) << 16)).to(torch.int16))   # two's complement to int16
 
 
-def _torch_range(master, grad, m_all, v_all, h: Hyper, copy, sr_key: int, offset: int, a: int, b: int) -> None:
+def _torch_range(master, grad, m_all, v_all, h: Hyper, copy, sr_key: int, offset: int, a: int, b: int,
+                 chunk: int = CHUNK) -> None:
     """The kernel's arithmetic as torch operations, chunk by chunk (each op one IEEE rounding)."""
     f32 = torch.float32
-    for c in range(a, b, CHUNK):
-        d = min(b, c + CHUNK)
+    for c in range(a, b, chunk):
+        d = min(b, c + chunk)
         g = grad[c:d].to(f32) * h.grad_scale
         p = master[c:d].to(f32) * h.decay
         m = m_all[c:d].to(f32)
@@ -366,3 +369,39 @@ def _torch_range(master, grad, m_all, v_all, h: Hyper, copy, sr_key: int, offset
             v_all[c:d].copy_(v)
         if copy is not None:
             copy[c:d].copy_(p)
+
+
+# ----------------------------------------------------------------------------- on the GPU
+DEVICE_CHUNK = 1 << 24      # elements a pass of the eager device path (its fp32 temporaries: 64 MiB each)
+
+
+def _device_adamw_eager(master, grad, m, v, hv: torch.Tensor) -> None:
+    h = Hyper(*hv.tolist())           # the float32 scalars as they were: the same values
+    _torch_range(master, grad, m, v, h, None, 0, 0, 0, master.numel(), chunk=DEVICE_CHUNK)
+
+
+@fused(eager=_device_adamw_eager)
+def _device_adamw(master, grad, m, v, hv: torch.Tensor) -> None:
+    """The C kernel's arithmetic in one compiled pass, the step's scalars read from the device
+    tensor ``hv`` (new values never recompile)."""
+    g = grad.float() * hv[0]
+    p = master * hv[1]
+    mf, vf = m.float(), v.float()
+    mf = mf + hv[2] * (g - mf)
+    vf = vf * hv[3] + (hv[4] * g) * g
+    p = p - (hv[5] * mf) / (torch.sqrt(vf) / hv[6] + hv[7])
+    master.copy_(p)
+    m.copy_(mf)
+    v.copy_(vf)
+
+
+def device_step(master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, h: Hyper) -> None:
+    """AdamW of an fp32 ``master`` with bf16 (or fp32) moments ``m``, ``v`` on the worker's
+    device (resident units with bf16 moments, which torch's fused AdamW does not take): the C
+    kernel's arithmetic in one compiled pass on CUDA (``megaray.fused``: equal to fp32 rounding,
+    the moments to bf16 rounding, since the compiler may fuse a multiply and an add), or eagerly
+    (``worker.fuse_elementwise`` false, the CPU) the torch fallback's operations, bit for bit the
+    kernel's."""
+    hv = torch.tensor([h.grad_scale, h.decay, h.b1c, h.beta2, h.b2c, h.step_size, h.bc2_sqrt, h.eps],
+                      dtype=torch.float32).to(master.device, non_blocking=True)
+    _device_adamw(master, grad, m, v, hv)

@@ -327,10 +327,9 @@ class RunConfig:
             raise ConfigError("optim.resident_units", f"{n} resident units, but the model has the embedding and "
                                                  f"{self.model.num_hidden_layers} blocks before the head "
                                                  f"(at most {self.model.num_hidden_layers + 1}; the head streams)")
-        if n and (self.optim.master_dtype, self.optim.moment_dtype) != ("float32", "float32"):
-            raise ConfigError("optim.resident_units", "resident units keep an fp32 master and fp32 moments; "
-                                                 f"got optim.master_dtype={self.optim.master_dtype}, "
-                                                 f"optim.moment_dtype={self.optim.moment_dtype}")
+        if n and self.optim.master_dtype != "float32":
+            raise ConfigError("optim.resident_units", "resident units keep an fp32 master (their moments fp32 or "
+                                                 f"bf16); got optim.master_dtype={self.optim.master_dtype}")
         if n and (self.worker.count > 1 or self.worker.node == "remote"):
             raise ConfigError("optim.resident_units", "resident units need one worker on the store's node "
                                                  f"(worker.count={self.worker.count}, "

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from megaray.adamw import writes_clipped_gradient
 from megaray.config import RunConfig
-from megaray.layout import build_layout
+from megaray.layout import DTYPES, build_layout
 from megaray.memory import anchors
 from megaray.model import flops_per_step
 
@@ -207,9 +207,10 @@ def predict(cfg: RunConfig, speeds: Speeds, keep: int = 0) -> dict[str, float]:
     S = cfg.worker.stride
     rebuilt = recomputed - anchors(recomputed, S)       # blocks run forward a third time
     reloaded = (recomputed // S) * max(0, S - 2) + max(0, recomputed % S - 2)
-    # resident updates on the device: 30 bytes a parameter (master, moments read and written,
-    # the gradient read, the compute copy written) at the GPU's memory bandwidth
-    resident_s = res_numel * 30 / (speeds.gpu_gbps * 1e9)
+    # resident updates on the device: 30 bytes a parameter with fp32 moments, 22 with bf16 ones
+    # (master and moments read and written, an fp32 gradient read, the compute copy written)
+    # at the GPU's memory bandwidth
+    resident_s = res_numel * (14 + 4 * DTYPES[o.moment_dtype].itemsize) / (speeds.gpu_gbps * 1e9)
     compute = compute_seconds(cfg, speeds, recomputed + rebuilt) + resident_s
     stream_bytes = 2 if cfg.host_compute_copy or o.master_dtype == "bfloat16" else 4
     copy_in = (streamed + (max(0, L - keep - res) + reloaded) * block) * stream_bytes / (speeds.link_gbps * 1e9)

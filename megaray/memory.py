@@ -280,12 +280,13 @@ def gpu_items(cfg: RunConfig, keep: int = 0, offload: int = 0, cast_slab_bytes: 
         "gradient norm workspace (float64 chunk)": 8 * min(NORM_CHUNK, max(sh.block_numel, sh.head_numel,
                                                                              sh.embed_numel)),
     }
-    if embed_res:   # fp32 master, two fp32 moments, the compute copy (in place of a slot)
+    if embed_res:   # fp32 master, two moments (fp32 or bf16), the compute copy (in place of a slot)
         n_res = cfg.resident_blocks
+        state = 4 + 2 * DTYPES[cfg.optim.moment_dtype].itemsize + s
         # the embedding's gradient is among the ends' already; a block's, in host mode, waits for the update
-        per_block = 4 + 8 + s + (0 if grads_on_device(cfg) else 4)
+        per_block = state + (0 if grads_on_device(cfg) else 4)
         items[f"resident units (embedding + {n_res} blocks: master, moments, copy)"] = (
-            sh.embed_numel * (4 + 8 + s) + n_res * sh.block_numel * per_block)
+            sh.embed_numel * state + n_res * sh.block_numel * per_block)
     if cast_slab_bytes:
         items["fp32 staging of the on-device cast"] = cast_slab_bytes
     flex = create_block_mask is not None

@@ -181,8 +181,8 @@ def savings(cfg: RunConfig) -> list[tuple[str, int, float]]:
     base = plan(cfg)
 
     def alt(name: str, **changes) -> tuple[str, int, float]:
-        if "moment_dtype" in changes or "master_dtype" in changes:
-            changes["resident_units"] = "host"            # bf16 state is never resident
+        if "master_dtype" in changes:
+            changes["resident_units"] = "host"            # a bf16 master is never resident
         q = plan(replaced(cfg, "optim", **changes))
         return name, base.host_total - q.host_total, q.host_bytes_per_param
 
@@ -315,7 +315,7 @@ def resolve(cfg: RunConfig, machine: Machine, speeds: Speeds | None = None) -> R
        the run fits, the faster predicted step wins, the device among equals (within 0.5%);
     2. ``optim.resident_units``: the cost model's fastest number of resident units within the
        GPU budget and host memory (``choose_placement``; host without a GPU, or where resident
-       units cannot be: bf16 state, several workers, a remote worker);
+       units cannot be: a bf16 master, several workers, a remote worker);
     3. ``worker.input_stride`` null, once the placement is known (``input_stride``), then
        ``worker.offload_inputs`` null on a GPU: the inputs that must wait in host memory for
        the step to fit the GPU budget (``offload_needed``), the number the host plan counts;
@@ -456,7 +456,7 @@ def describe_input_stride(stride: int) -> str:
 
 def can_be_resident(cfg: RunConfig) -> bool:
     o, w = cfg.optim, cfg.worker
-    return (o.master_dtype, o.moment_dtype) == ("float32", "float32") and w.count == 1 and w.node == "local"
+    return o.master_dtype == "float32" and w.count == 1 and w.node == "local"
 
 
 def shard_speeds(cfg: RunConfig) -> Speeds:

@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     for override, saved, per_param in savings(cfg):
         what = f"saves {size(saved)}" if saved >= 0 else f"needs {size(-saved)} more"
         why = ""
-        if resident and "dtype" in override:
-            why = (f"; bf16 state is never resident, so the {resident} resident units' state moves to host memory "
+        if resident and ("master_dtype" in override or override == "both"):
+            why = (f"; a bf16 master is never resident, so the {resident} resident units' state moves to host memory "
                    "with it")
         print(f"option {override}: {what} of host memory ({per_param:.2f} bytes/param{why})")
     if machine.gpu_bytes is not None:

@@ -123,10 +123,12 @@ def test_plan_agrees_with_itself_and_says_what_it_assumed(capsys):
     out = capsys.readouterr().out
     assert "every unit streamed" in out and "fits with: optim.grad_dtype=bfloat16\n" in out, out
     assert "assumed for the step: the reference H200's measured bf16 rates" in out and "(--cores)" in out
-    assert main(["plan", "debug", "--host-gib", "64", "--gpu-gib", "24"]) == 0
+    assert main(["plan", "debug", "--host-gib", "64", "--gpu-gib", "24", "train.compute_dtype=bfloat16"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"option optim.moment_dtype=bfloat16: needs [\d.]+ KiB more of host memory .*bf16 state is "
+    assert re.search(r"option optim.master_dtype=bfloat16: needs [\d.]+ KiB more of host memory .*a bf16 master is "
                      r"never resident, so the 3 resident units' state moves to host memory", out), out
+    # bf16 moments stay resident: they save the streamed head's moments only, and say nothing of it
+    assert re.search(r"option optim.moment_dtype=bfloat16: saves 128 B of host memory \([\d.]+ bytes/param\)\n", out)
     assert re.search(r"predicted step: [\d.]+ ms", out) and " 0.00 " not in out
 
 

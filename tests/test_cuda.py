@@ -188,19 +188,56 @@ def test_loading_into_gpu_masters_on_threads(tmp_path):
             assert torch.equal(got[s.offset:s.offset + s.numel].view(s.shape), tensors[s.name].float()), s.name
 
 
-@pytest.mark.parametrize("grads", ["device", "host"])
-def test_resident_units_on_the_gpu_equal_streamed_ones(gpu_ray, grads):
+@pytest.mark.parametrize("grads,moments", [("device", "float32"), ("host", "float32"), ("device", "bfloat16")])
+def test_resident_units_on_the_gpu_equal_streamed_ones(gpu_ray, grads, moments):
     """optim.resident_units 2 on the GPU (the embedding and block 0; torch's fused AdamW on the
-    device, per weight-decay group) against every unit streamed and updated by the shards:
-    equal to fp32 rounding."""
+    device, per weight-decay group, or with bf16 moments the shards' arithmetic compiled)
+    against every unit streamed and updated by the shards: equal to fp32 rounding."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    extra = (f"optim.grad_placement={grads}", "optim.clip_grad_norm=0.05", "optim.weight_decay=0.1")
+    extra = (f"optim.grad_placement={grads}", "optim.clip_grad_norm=0.05", "optim.weight_decay=0.1",
+             f"optim.moment_dtype={moments}")
     ref_l, ref_w = _train("cuda", "float32", extra=(*extra, "optim.resident_units=host"))
     res_l, res_w = _train("cuda", "float32", extra=(*extra, "optim.resident_units=2"))
     np.testing.assert_allclose(res_l, ref_l, rtol=1e-6)
     for k in ref_w:
         err = np.linalg.norm(res_w[k] - ref_w[k]) / np.linalg.norm(ref_w[k])
         assert err < 1e-6, (k, err)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_the_device_adamw_is_the_shards_arithmetic(fuse):
+    """adamw.device_step (resident units with bf16 moments) against the CPU's C kernel (or its
+    torch fallback) on the same values, clipped, decayed, at step 3: eagerly bit for bit; compiled
+    the master to fp32 rounding and each bf16 moment within one rounding step (the compiler may
+    fuse a multiply and an add, which moves a value across a rounding boundary rarely)."""
+    from megaray import fused
+    from megaray.adamw import AdamW, device_step, hyper
+
+    g = torch.Generator().manual_seed(0)
+    n = 3 * 2**20 + 17
+    master = torch.randn(n, generator=g)
+    grad = torch.randn(n, generator=g) * 1e-2
+    m = (torch.randn(n, generator=g) * 1e-3).bfloat16()
+    v = (torch.rand(n, generator=g) * 1e-5).bfloat16()
+    h = hyper(1e-3, (0.9, 0.95), 1e-8, 0.1, 3, grad_scale=0.37)
+    want = [t.clone() for t in (master, m, v)]
+    AdamW(1).step(want[0], grad, want[1], want[2], h)
+    got = [t.cuda() for t in (master, m, v)]
+    fused.configure(enabled=fuse)
+    try:
+        device_step(*got[:1], grad.cuda(), *got[1:], h)
+    finally:
+        fused.configure()
+    got = [t.cpu() for t in got]
+    if not fuse:
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        return
+    torch.testing.assert_close(got[0], want[0], rtol=1.2e-7, atol=0)
+    for a, b in zip(got[1:], want[1:]):
+        ulp = (b.float().abs() * 2**-7).clamp_min(torch.finfo(torch.bfloat16).tiny)
+        assert ((a.float() - b.float()).abs() <= ulp).all()
+        assert (a != b).float().mean() < 1e-3
 
 
 def test_document_attention_on_the_gpu_equals_documents_alone():

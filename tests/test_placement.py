@@ -4,7 +4,7 @@ worker's device, updated there.
 On the CPU a resident unit runs the shards' own AdamW calls piece by piece, so any placement
 must equal the all-host one bit for bit: losses and every weight, with clipping that clips,
 clipping off, a skipped non-finite step, weight-decay groups (matrices decayed, norms not),
-gradient accumulation, both homes of the gradients and bf16 gradients. A checkpoint written
+gradient accumulation, both homes of the gradients, bf16 gradients and bf16 moments. A checkpoint written
 with one placement resumes with another, exactly.
 """
 from __future__ import annotations
@@ -55,12 +55,16 @@ CASES = {
     "host-clipping-off": ["optim.grad_placement=host", "optim.clip_grad_norm=null"],
     "host-bf16-gradients": ["optim.grad_placement=host", "optim.grad_dtype=bfloat16", "optim.clip_grad_norm=0.05"],
     "ring-bf16-gradients": ["optim.grad_placement=device", "optim.grad_dtype=bfloat16", "optim.clip_grad_norm=0.05"],
+    "ring-bf16-moments": ["optim.grad_placement=device", "optim.moment_dtype=bfloat16", "optim.clip_grad_norm=0.05"],
+    "host-bf16-moments-and-gradients": ["optim.grad_placement=host", "optim.moment_dtype=bfloat16",
+                                        "optim.grad_dtype=bfloat16", "optim.clip_grad_norm=0.05"],
 }
 
 
 # the embedding alone; the embedding and block 0; the embedding and both blocks
 PLACEMENT = {"ring-clipped": 1, "ring-skipped-step": 3, "host-clipped": 2, "host-clipping-off": 3,
-             "host-bf16-gradients": 2, "ring-bf16-gradients": 2}
+             "host-bf16-gradients": 2, "ring-bf16-gradients": 2, "ring-bf16-moments": 3,
+             "host-bf16-moments-and-gradients": 2}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -81,6 +85,9 @@ def test_resident_units_equal_streamed_units_bit_for_bit(ray_cluster, case):
     applied = sum(not m["skipped"] for m in got)
     assert {k[0] for k in resident} == set(range(placement))
     assert {v["step"] for v in resident.values()} == {applied}
+    moments = torch.bfloat16 if "optim.moment_dtype=bfloat16" in opts else torch.float32
+    assert {v["exp_avg"].dtype for v in resident.values()} == {v["exp_avg_sq"].dtype for v in resident.values()} \
+        == {moments}
 
 
 def _losses(summary) -> dict[int, float]:
@@ -131,6 +138,31 @@ def test_a_checkpoint_resumes_with_another_placement(all_host_run, tmp_path, bef
     assert got_t.keys() == want_t.keys() and all(torch.equal(got_t[k], want_t[k]) for k in want_t)
 
 
+def test_bf16_moments_resume_from_resident_units_to_streamed_ones(ray_cluster, tmp_path):
+    """bf16 moments written by resident units (the worker's resident.bin, in the shards' dtype)
+    and read back by the shards: cut after step 4 with the embedding and both blocks resident,
+    resumed with every unit streamed, steps 4-6 and the final masters equal an uninterrupted
+    all-streamed run's, bit for bit."""
+    bf16 = "optim.moment_dtype=bfloat16"
+    ref = train(_run_cfg(tmp_path / "ref", "checkpoint.resume=null", bf16, "optim.resident_units=host"))
+
+    def interrupt(step, session):
+        if step == 4:
+            raise KeyError("interrupt")
+
+    with pytest.raises(KeyError):
+        train(_run_cfg(tmp_path / "cut", "checkpoint.every=3", bf16, "optim.resident_units=3"), on_step=interrupt)
+    written = Checkpoint(next((tmp_path / "cut").rglob("step-*")))
+    assert "resident.bin" in written.parts and written.moment_dtype == torch.bfloat16
+    s = train(_run_cfg(tmp_path / "cut", bf16, "optim.resident_units=host"))
+    assert s["first_step"] == 4
+    want = _losses(ref)
+    assert _losses(s) == {k: want[k] for k in (4, 5, 6)}
+    got, want = _masters(s["checkpoint"]), _masters(ref["checkpoint"])
+    for u in want:
+        assert torch.equal(got[u], want[u]), u
+
+
 def _masters(path) -> dict[int, torch.Tensor]:
     ck = Checkpoint(path)
     out = {}
@@ -144,8 +176,10 @@ def test_placement_is_checked_with_the_key_named():
     with pytest.raises(ConfigError, match="optim.resident_units.*4 resident units, but the model has the embedding "
                                           r"and 2 blocks before the head \(at most 3"):
         load_config("debug", ["optim.resident_units=4"])
-    with pytest.raises(ConfigError, match="optim.resident_units.*fp32 master and fp32 moments"):
-        load_config("debug", ["optim.resident_units=1", "optim.moment_dtype=bfloat16"])
+    with pytest.raises(ConfigError, match=r"optim.resident_units.*fp32 master \(their moments fp32 or bf16\); "
+                                          "got optim.master_dtype=bfloat16"):
+        load_config("debug", ["optim.resident_units=1", "optim.master_dtype=bfloat16", "train.compute_dtype=bfloat16"])
+    assert load_config("debug", ["optim.resident_units=1", "optim.moment_dtype=bfloat16"]).optim.resident_count == 1
     with pytest.raises(ConfigError, match="optim.resident_units.*one worker"):
         load_config("debug", ["optim.resident_units=1", "worker.count=2"])
     with pytest.raises(ConfigError, match="optim.resident_units.*must be host, auto or a number"):
@@ -154,28 +188,31 @@ def test_placement_is_checked_with_the_key_named():
 
 def test_the_plan_moves_resident_state_from_host_to_gpu():
     """llama1b's embedding and two of its 16 blocks resident: their moments, master and bf16
-    copy leave host memory (8 + 4 + 2 bytes a parameter, the shared regions page-aligned; the
-    regions stay in the files, never written); the GPU gains 4 + 8 + 2 bytes a parameter (the
-    embedding's copy in place of its slot), 4 more for the blocks' gradients when gradients
-    wait in host memory (whose host regions they do not use; the embedding's gradient is
-    counted among the ends' in any case)."""
+    copy leave host memory (8 + 4 + 2 bytes a parameter with fp32 moments, 4 + 4 + 2 with bf16
+    ones, the shared regions page-aligned; the regions stay in the files, never written); the
+    GPU gains 4 + 8 + 2 (4 + 4 + 2) bytes a parameter (the embedding's copy in place of its
+    slot), 4 more for the blocks' gradients when gradients wait in host memory (whose host
+    regions they do not use; the embedding's gradient is counted among the ends' in any case)."""
     over = ["model.shape=llama1b", "train.seq_len=2048", "train.compute_dtype=bfloat16", "optim.num_shards=4",
             "optim.compute_copy=host"]
     block = 2 * 2048 + 2048 * 2048 * 2 + 2 * 2048 * 512 + 3 * 2048 * 8192     # llama1b: 32/8 heads of 64
     embed = 128256 * 2048
-    for gp, per_param, grads in (("device", 14, 0), ("host", 18, 4)):
-        host = plan(load_config("debug", [*over, f"optim.grad_placement={gp}"]))
-        res = plan(load_config("debug", [*over, "optim.resident_units=3", f"optim.grad_placement={gp}"]))
+    for gp, mo, per_param, grads in (("device", "float32", 14, 0), ("host", "float32", 18, 4),
+                                     ("device", "bfloat16", 10, 0), ("host", "bfloat16", 14, 4)):
+        mb = 2 if mo == "bfloat16" else 4                 # a moment's bytes
+        host = plan(load_config("debug", [*over, f"optim.grad_placement={gp}", f"optim.moment_dtype={mo}"]))
+        res = plan(load_config("debug", [*over, "optim.resident_units=3", f"optim.grad_placement={gp}",
+                                         f"optim.moment_dtype={mo}"]))
         assert (res.gpu["resident units (embedding + 2 blocks: master, moments, copy)"]
-                == 2 * block * per_param + embed * 14)
+                == 2 * block * per_param + embed * (4 + 2 * mb + 2))
         assert res.gpu["weight slots (head, 2 blocks)"] == host.gpu["weight slots (embed, head, 2 blocks)"] - 2 * embed
-        assert (host.host_private["adam moments (fp32)"] - res.host_private["adam moments (fp32)"]
-                == 8 * (2 * block + embed))
+        key = f"adam moments ({'bf16' if mb == 2 else 'fp32'})"
+        assert host.host_private[key] - res.host_private[key] == 2 * mb * (2 * block + embed)
         assert (host.shm["fp32 master weights"] - res.shm["fp32 master weights"]
                 == 2 * align(4 * block) + align(4 * embed))
         assert (host.shm["bfloat16 compute copy"] - res.shm["bfloat16 compute copy"]
                 == 2 * align(2 * block) + align(2 * embed))
-        saved = sum(8 * n + align(4 * n) + align(2 * n) + (align(grads * n) if grads else 0)
+        saved = sum(2 * mb * n + align(4 * n) + align(2 * n) + (align(grads * n) if grads else 0)
                     for n in (block, block, embed))
 
         def total(p):     # less the control words (the resident units' pieces have none)
@@ -236,12 +273,18 @@ def test_auto_placement_is_the_fastest_that_fits():
     assert isinstance(chosen, int) and chosen > 0
     assert by_n[chosen]["step_s"] <= 1.005 * min(r["step_s"] for r in rows) < by_n[0]["step_s"]
     assert all(r["gpu_bytes"] <= gpu_budget(cfg, big) for r in rows)
-    # a smaller GPU holds fewer resident blocks; without a GPU, or with bf16 moments, none
+    # a smaller GPU holds fewer resident blocks; without a GPU, or with a bf16 master, none;
+    # bf16 moments are resident too, and take less of a GPU budget than fp32 ones
     small = dataclasses.replace(cfg, worker=dataclasses.replace(cfg.worker, gpu_memory_gib=24))
-    assert resolve(small, big).optim.resident_units in ("host", *range(chosen + 1))
+    small_res = resolve(small, big).optim.resident_units
+    assert small_res in ("host", *range(chosen + 1))
     assert resolve(cfg, Machine(10**15, 10**15, None)).optim.resident_units == "host"
     bf16 = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, moment_dtype="bfloat16"))
-    assert resolve(bf16, big).optim.resident_units == "host"
+    assert isinstance(resolve(bf16, big).optim.resident_units, int) and resolve(bf16, big).optim.resident_units > 0
+    small_bf16 = dataclasses.replace(small, optim=bf16.optim)
+    assert resolve(small_bf16, big).optim.resident_units >= (0 if small_res == "host" else small_res)
+    master = dataclasses.replace(cfg, optim=dataclasses.replace(bf16.optim, master_dtype="bfloat16"))
+    assert resolve(master, big).optim.resident_units == "host"
 
 
 def test_auto_chooses_where_gradients_live_with_the_placement():

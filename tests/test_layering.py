@@ -16,6 +16,7 @@ CORE = {"megaray.errors", "megaray.shapes", "megaray.model_config", "megaray.opt
         "megaray.rope", "megaray.init_weights",
         "megaray.hf", "megaray.hf.read", "megaray.hf.export", "megaray.leftovers", "megaray.shm", "megaray.protocol",
         "megaray.buffers", "megaray.memory", "megaray.cost", "megaray.machine", "megaray.plan",
+        "megaray.fitting",
         "megaray.lr_schedule", "megaray.clipping", "megaray.adamw", "megaray.parts", "megaray.checkpoint",
         "megaray.corpus", "megaray.packing",
         "megaray.dataset", "megaray.tokenizer", "megaray.step", "megaray.compare"}

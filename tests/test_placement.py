@@ -26,12 +26,13 @@ from megaray.cost import ADAMW_PER_CORE, Speeds, predict
 from megaray.driver.runner import train
 from megaray.driver.session import TrainingSession
 from megaray.errors import ConfigError, PlanError
+from megaray.fitting import check
 from megaray.hf.export import export_checkpoint
 from megaray.layout import align, build_layout
 from megaray.loader import load_config
 from megaray.machine import Machine
 from megaray.memory import GiB
-from megaray.plan import best, cast_slab_bytes, check, choose_placement, gpu_budget, plan, resolve
+from megaray.plan import best, cast_slab_bytes, choose_placement, gpu_budget, plan, resolve
 
 BASE = ["train.grad_accum=2", "train.steps=3", "optim.num_shards=2", "optim.grad_slab_mib=0.01",
         "optim.weight_decay=0.1", "optim.warmup_steps=0"]

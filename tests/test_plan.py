@@ -10,19 +10,17 @@ from conftest import shm_files
 from megaray import memory
 from megaray.config import replaced
 from megaray.errors import ConfigError, PlanError
+from megaray.fitting import check, largest_fit, savings
 from megaray.loader import load_config
 from megaray.machine import Machine, ray_memory_view
 from megaray.plan import (
     CUDA_PROCESS_BYTES,
     PROCESS_BYTES,
     GiB,
-    check,
     host_budget,
-    largest_fit,
     plan,
     plan_for,
     resolve,
-    savings,
 )
 
 

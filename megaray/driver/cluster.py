@@ -67,7 +67,7 @@ def start_local_ray(**kwargs) -> None:
 
     Ray's memory monitor kills a worker at ``RAY_memory_usage_threshold`` of the node's
     memory (0.95 by default: 6.3 GiB of a 125 GiB host held back). megaray plans host memory
-    itself and refuses a run that does not fit (``megaray.plan.check``, against what the
+    itself and refuses a run that does not fit (``megaray.fitting.check``, against what the
     monitor allows), so its own cluster starts at 0.98 unless the environment sets it."""
     os.environ.setdefault("RAY_memory_usage_threshold", LOCAL_RAY_KILL_THRESHOLD)
     here = os.getcwd()

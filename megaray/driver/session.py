@@ -45,10 +45,11 @@ from megaray.buffers import RunBuffers
 from megaray.config import RunConfig
 from megaray.driver.cluster import bundle_shortfall, run_bundle
 from megaray.errors import ActorFailure, ConfigError, MegarayError
+from megaray.fitting import check
 from megaray.hf.read import verify_source
 from megaray.layout import assign_pieces, build_layout
 from megaray.machine import Machine
-from megaray.plan import check, count, describe_input_stride, describe_placement, resolve, shard_speeds, size
+from megaray.plan import count, describe_input_stride, describe_placement, resolve, shard_speeds, size
 from megaray.shm import remove_run, remove_stale
 from megaray.step import Batch
 
